@@ -1,0 +1,105 @@
+"""Local attention over packed variable-length sequences, returning (output, log-sum-exp).
+
+The log-sum-exp lets partial results over different key blocks be merged exactly
+(`merge_partials`), which is what ring attention (context parallelism) is built on.
+
+Shapes: q [Tq, NH, D], k and v [Tk, NKV, D], NH a multiple of NKV (grouped-query
+attention); out [Tq, NH, D]; lse [Tq, NH] in float32. Sequence i owns queries
+cu_seqlens_q[i]:cu_seqlens_q[i+1] and keys cu_seqlens_k[i]:cu_seqlens_k[i+1]; a query sees
+a key of its own sequence whose global position is not after its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class VarlenBatch:
+    """Where each sequence's queries and keys lie in the packed tensors, and their positions."""
+
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    cu_seqlens_k: torch.Tensor  # [B + 1] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    q_positions: torch.Tensor  # [Tq] global token positions
+    k_positions: torch.Tensor  # [Tk]
+    # True when every sequence's keys are positions 0..Lk-1 and its queries the last Lq of
+    # them: the bottom-right causal mask that fused kernels implement without positions.
+    causal_suffix: bool = True
+    # Host copies of the sequence boundaries, so the math path needs no device sync.
+    q_bounds: list[int] | None = None
+    k_bounds: list[int] | None = None
+
+
+def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float):
+    """Causal attention of packed queries over packed keys; returns (out, lse)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and batch.causal_suffix:
+        return _flash_varlen(q, k, v, batch, scale)
+    return _math_varlen(q, k, v, batch, scale)
+
+
+def _flash_varlen(q, k, v, batch: VarlenBatch, scale: float):
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q,
+        k,
+        v,
+        batch.cu_seqlens_q,
+        batch.cu_seqlens_k,
+        batch.max_seqlen_q,
+        batch.max_seqlen_k,
+        0.0,
+        True,  # bottom-right aligned causal mask
+        False,
+        scale=scale,
+    )
+    # lse comes as [NH, Tq] for packed input.
+    return out, lse.transpose(0, 1)
+
+
+def _math_varlen(q, k, v, batch: VarlenBatch, scale: float):
+    """Reference path for any device and dtype: explicit scores, float32 softmax."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], num_heads, dtype=torch.float32, device=q.device)
+    q_bounds = batch.q_bounds or batch.cu_seqlens_q.tolist()
+    k_bounds = batch.k_bounds or batch.cu_seqlens_k.tolist()
+    for i in range(len(q_bounds) - 1):
+        q0, q1, k0, k1 = q_bounds[i], q_bounds[i + 1], k_bounds[i], k_bounds[i + 1]
+        if q1 == q0:
+            continue
+        # [NKV, G, Lq, D] x [NKV, 1, D, Lk] -> [NKV, G, Lq, Lk]
+        qs = q[q0:q1].float().view(q1 - q0, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        ks = k[k0:k1].float().permute(1, 0, 2).unsqueeze(1)
+        vs = v[k0:k1].float().permute(1, 0, 2).unsqueeze(1)
+        scores = torch.matmul(qs, ks.transpose(-1, -2)) * scale
+        visible = batch.q_positions[q0:q1, None] >= batch.k_positions[None, k0:k1]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        seq_lse = torch.logsumexp(scores, dim=-1)  # [NKV, G, Lq]; -inf where nothing visible
+        probs = torch.exp(scores - seq_lse.unsqueeze(-1).clamp(min=torch.finfo(torch.float32).min))
+        probs = probs.nan_to_num(0.0)
+        seq_out = torch.matmul(probs, vs)  # [NKV, G, Lq, D]
+        out[q0:q1] = seq_out.permute(2, 0, 1, 3).reshape(q1 - q0, num_heads, head_dim).to(q.dtype)
+        lse[q0:q1] = seq_lse.permute(2, 0, 1).reshape(q1 - q0, num_heads)
+    return out, lse
+
+
+def merge_partials(outs, lses):
+    """Merge partial attention results over disjoint key sets by log-sum-exp.
+
+    outs: list of [T, NH, D]; lses: list of [T, NH] float32 (-inf where a part saw no key).
+    Returns (out [T, NH, D], lse [T, NH]); a query that saw no key at all gets out 0, lse -inf.
+    """
+    lse = torch.stack(lses)  # [S, T, NH]
+    m = lse.max(dim=0).values
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse - m_safe)  # 0 for parts with no visible key
+    total = w.sum(dim=0)
+    out = sum(wi.unsqueeze(-1) * o.float() for wi, o in zip(w, outs))
+    out = out / total.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    merged_lse = m_safe + torch.log(total)  # -inf where total == 0
+    return out.to(outs[0].dtype), merged_lse

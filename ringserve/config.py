@@ -1,0 +1,193 @@
+"""Configuration: the model (read from a Hugging Face config.json), the parallel layout, the engine."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ringserve.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+
+
+@dataclass
+class ModelConfig:
+    """The shape of a decoder-only transformer, read off a Hugging Face config."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    # Mixture of experts (0 experts: a dense model).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    dtype: torch.dtype = torch.float32
+    hf_config: object = field(default=None, repr=False)  # the transformers config, for RoPE
+
+    @classmethod
+    def from_pretrained(cls, folder: str) -> ModelConfig:
+        path = os.path.join(folder, "config.json")
+        if not os.path.isdir(folder):
+            raise ModelLoadError(f"model folder not found: {folder}")
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"no config.json in model folder {folder}")
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"{path}: unsupported architecture {archs or raw.get('model_type')!r}; "
+                f"ringserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        from transformers import AutoConfig  # slow import: only when a model is loaded
+
+        hf = AutoConfig.from_pretrained(folder)
+        return cls.from_hf(hf, arch)
+
+    @classmethod
+    def from_hf(cls, hf, arch: str) -> ModelConfig:
+        if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
+            if hf.sliding_window < hf.max_position_embeddings:
+                raise ModelLoadError(
+                    f"{arch} with sliding_window={hf.sliding_window} is not supported "
+                    "(ringserve attends over the full context)"
+                )
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        eos = hf.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        num_experts = 0
+        if arch == "MixtralForCausalLM":
+            num_experts = hf.num_local_experts
+        elif arch == "Qwen3MoeForCausalLM":
+            num_experts = getattr(hf, "num_experts", None) or hf.num_local_experts
+        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        return cls(
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_hidden_layers=hf.num_hidden_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf, "attention_bias", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            num_experts=num_experts,
+            num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) if num_experts else 0,
+            moe_intermediate_size=(
+                getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
+            )
+            if num_experts
+            else 0,
+            # Mixtral always renormalises its top-k weights; Qwen3-MoE says so in its config.
+            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)),
+            mlp_only_layers=tuple(getattr(hf, "mlp_only_layers", None) or ()),
+            decoder_sparse_step=getattr(hf, "decoder_sparse_step", None) or 1,
+            eos_token_ids=eos_ids,
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            dtype=dtype,
+            hf_config=hf,
+        )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` uses the MoE block (Qwen3-MoE keeps some dense)."""
+        return (
+            self.is_moe
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+
+@dataclass
+class ParallelConfig:
+    """Sizes of the three parallel axes; their product is the number of processes."""
+
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "cp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp
+
+
+@dataclass
+class EngineConfig:
+    """How the engine spends memory and work per step."""
+
+    block_size: int = 16  # tokens per KV-cache block
+    num_blocks: int | None = None  # None: from kv_cache_memory (or the GPU's free memory)
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None: a default per device
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill above it)
+    max_num_seqs: int = 256  # sequences running at once
+    enable_prefix_caching: bool = True
+
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, model_dtype: torch.dtype, device: torch.device):
+    """'auto' takes the checkpoint's dtype (float16 on a CPU becomes bfloat16, which it runs)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu" and model_dtype == torch.float16:
+            return torch.bfloat16
+        return model_dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]

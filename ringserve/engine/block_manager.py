@@ -1,0 +1,108 @@
+"""KV-cache blocks: allocation, reference counts, and the prefix cache.
+
+A full block is named by a hash of its tokens and of the block before it, so equal
+prefixes map to equal hashes. Blocks nobody uses but that hold a hashed prefix stay
+cached until memory runs short, then the least recently freed is reused first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from ringserve.engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block
+        # Blocks with no user, reused from the front: never-hashed ones first, then cached
+        # ones from the least recently freed.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Hashes of the sequence's first `num_blocks` full blocks, extended incrementally."""
+        hashes, size = seq.block_hashes, self.block_size
+        tokens = seq.token_ids if len(hashes) < num_blocks else None
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(tokens[i * size : (i + 1) * size]))))
+        return hashes[:num_blocks]
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Give a sequence with no blocks the cached blocks of its longest cached prefix.
+
+        At least the last token is left to compute, since its logits are needed.
+        """
+        assert not seq.block_table
+        if not self.enable_prefix_caching:
+            return
+        for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
+            block = self.cached.get(h)
+            if block is None:
+                break
+            self._take(block)
+            seq.block_table.append(block)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.num_registered_blocks = len(seq.block_table)
+        seq.num_prefix_cached_tokens = seq.num_computed_tokens
+
+    def _take(self, block: int) -> None:
+        if self.ref_count[block] == 0:
+            del self.free_blocks[block]
+        self.ref_count[block] += 1
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Add blocks so that `num_new_tokens` more tokens fit; False (no change) if too few."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed > len(self.free_blocks):
+            return False
+        for _ in range(needed):
+            block, _ = self.free_blocks.popitem(last=False)
+            if self.block_hash[block] is not None:  # evict its cached prefix
+                del self.cached[self.block_hash[block]]
+                self.block_hash[block] = None
+            self.ref_count[block] = 1
+            seq.block_table.append(block)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence's blocks; hashed ones stay findable until reused."""
+        for block in reversed(seq.block_table):
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                self.free_blocks[block] = None
+                if self.block_hash[block] is None:
+                    self.free_blocks.move_to_end(block, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the hashes of the sequence's blocks that are full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        hashes = self._hashes(seq, full)
+        for i in range(seq.num_registered_blocks, full):
+            block, h = seq.block_table[i], hashes[i]
+            # Skip a block already named, or content another sequence computed first.
+            if self.block_hash[block] is None and h not in self.cached:
+                self.block_hash[block] = h
+                self.cached[h] = block
+        seq.num_registered_blocks = full

@@ -1,0 +1,282 @@
+"""The engine: requests in, one batched step at a time, outputs out.
+
+Owns the model, the KV cache, the scheduler and the tokenizer. Not thread-safe: one
+caller drives `step()` (the LLM class, or the server's engine loop).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+
+import torch
+
+from ringserve.config import EngineConfig, ModelConfig, resolve_dtype
+from ringserve.engine.block_manager import BlockManager
+from ringserve.engine.detokenizer import IncrementalDetokenizer
+from ringserve.engine.kv_cache import KVCache
+from ringserve.engine.runner import ModelRunner
+from ringserve.engine.sampler import sample
+from ringserve.engine.scheduler import Scheduler
+from ringserve.engine.sequence import Sequence, Status
+from ringserve.errors import ModelLoadError, RequestError
+from ringserve.gguf_import import builtin_model_path, converted_folder
+from ringserve.outputs import RequestOutput
+from ringserve.sampling_params import SamplingParams
+from ringserve.weights import load_model
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_CACHE_BYTES = 1 << 30
+_GPU_ACTIVATION_RESERVE = 4 << 30
+
+
+def resolve_model_path(model: str | None) -> str:
+    """A Hugging Face folder for `model`: a folder as is, a .gguf file converted, None the built-in."""
+    if model is None:
+        return converted_folder(builtin_model_path())
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return converted_folder(model)
+    if os.path.isdir(model):
+        return model
+    raise ModelLoadError(
+        f"model not found: {model!r} is neither a folder with config.json and safetensors "
+        "nor a .gguf file (models are loaded from local paths, not downloaded)"
+    )
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for, but PyTorch sees no CUDA GPU")
+    return device
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str | torch.device | None = "auto",
+        dtype: str | torch.dtype = "auto",
+        engine_config: EngineConfig | None = None,
+        show_progress: bool = False,
+    ):
+        self.engine_config = ec = engine_config or EngineConfig()
+        self.model_path = resolve_model_path(model)
+        self.device = resolve_device(device)
+        self.model_config = config = ModelConfig.from_pretrained(self.model_path)
+        self.dtype = resolve_dtype(dtype, config.dtype, self.device)
+        self.tokenizer = _load_tokenizer(self.model_path)
+        self.eos_token_ids = _eos_token_ids(self.model_path, config, self.tokenizer)
+        self.model = load_model(config, self.model_path, self.device, self.dtype, show_progress=show_progress)
+        self.max_model_len = ec.max_model_len or config.max_position_embeddings
+        num_blocks = self._num_blocks()
+        self.kv_cache = KVCache(
+            config.num_hidden_layers, num_blocks, ec.block_size, config.num_key_value_heads,
+            config.head_dim, self.dtype, self.device,
+        )
+        self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.seqs: dict[str, Sequence] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        logger.info(
+            "model %s (%s) on %s in %s; KV cache %d blocks of %d tokens (%.1f MiB)",
+            self.model_path, config.architecture, self.device, self.dtype,
+            num_blocks, ec.block_size, self.kv_cache.nbytes / 2**20,
+        )
+
+    def _num_blocks(self) -> int:
+        ec, c = self.engine_config, self.model_config
+        per_block = KVCache.bytes_per_block(c.num_hidden_layers, ec.block_size, c.num_key_value_heads, c.head_dim, self.dtype)
+        if ec.num_blocks is not None:
+            num_blocks = ec.num_blocks
+        else:
+            budget = ec.kv_cache_memory
+            if budget is None and self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int((free - _GPU_ACTIVATION_RESERVE) * ec.gpu_memory_utilization)
+            elif budget is None:
+                budget = _CPU_KV_CACHE_BYTES
+            # No use for more blocks than every sequence at full length can fill.
+            most = ec.max_num_seqs * -(-self.max_model_len // ec.block_size)
+            num_blocks = min(budget // per_block, most)
+        if num_blocks * ec.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * ec.block_size} tokens ({num_blocks} blocks), fewer "
+                f"than max_model_len={self.max_model_len}: give it more memory or blocks, or lower max_model_len"
+            )
+        return num_blocks
+
+    # Requests -------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"{self.model_path} has no tokenizer: pass token ids, not text")
+            if chat:
+                text = self.apply_chat_template([{"role": "user", "content": prompt}])
+                return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError(f"{self.model_path} has no chat template")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        chat: bool = False,
+        prompt_token_ids: list[int] | None = None,
+    ) -> str:
+        """Queue a request; a request that cannot be served raises RequestError, alone.
+
+        prompt_token_ids: the prompt already tokenised (prompt then only labels the output).
+        """
+        params = params or SamplingParams()
+        token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt, chat)
+        self._check_prompt(token_ids)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.seqs:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, token_ids, params, prompt if isinstance(prompt, str) else None)
+        seq.arrival_time = time.monotonic()
+        self.seqs[request_id] = seq
+        if self.tokenizer is not None:
+            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, seq)
+        self.scheduler.add(seq)
+        return request_id
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise RequestError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(token_ids)} tokens, but the model's context is "
+                f"{self.max_model_len} (max_model_len) including at least one new token"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}")
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        self.detokenizers.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq)
+            seq.finish_reason = "abort"
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # Stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One forward pass over the scheduled tokens; an output per sequence that sampled."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits = self.runner.forward(batch)
+        sampling = []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampling.append(seq)
+        now = time.monotonic()
+        outputs = []
+        for seq, token in zip(sampling, sample(logits, sampling)):
+            seq.output_token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            detok = self.detokenizers.get(seq.request_id)
+            if detok is not None:
+                detok.add_token(seq, token)
+            self._check_finished(seq, token)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            outputs.append(self._output(seq, [token]))
+            if seq.finished:
+                self.seqs.pop(seq.request_id, None)
+                self.detokenizers.pop(seq.request_id, None)
+        return outputs
+
+    def _check_finished(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        if seq.finish_reason is not None:  # a stop string, found by the detokenizer
+            return
+        if token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        detok = self.detokenizers.get(seq.request_id)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=seq.text,
+            token_ids=list(seq.output_token_ids),
+            finished=seq.finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            new_text=detok.new_text(seq) if detok is not None else "",
+            new_token_ids=new_tokens,
+            num_cached_tokens=seq.num_prefix_cached_tokens,
+            time_to_first_token=(seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
+        )
+
+    # Statistics -----------------------------------------------------------------------
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens run through the model since start (prefix-cache hits are not counted)."""
+        return self.runner.num_forward_tokens
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def close(self) -> None:
+        for request_id in list(self.seqs):
+            self.abort(request_id)
+        self.model = self.runner = self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _load_tokenizer(folder: str):
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        logger.warning("%s has no tokenizer: prompts must be token ids", folder)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _eos_token_ids(folder: str, config: ModelConfig, tokenizer) -> set[int]:
+    """EOS ids from config.json, generation_config.json and the tokenizer, together."""
+    ids = set(config.eos_token_ids)
+    path = os.path.join(folder, "generation_config.json")
+    if os.path.isfile(path):
+        import json
+
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,54 @@
+"""The paged KV cache tensors and the attention that reads and writes them.
+
+Layout per layer: k and v [num_blocks * block_size, NKV, D]; token t of a sequence lives
+in slot block_table[t // block_size] * block_size + t % block_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ringserve.attention import VarlenBatch, attention_with_lse
+
+
+class KVCache:
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+@dataclass
+class PagedAttentionContext:
+    """ForwardContext of one step on one rank: new KV goes to its slots, attention reads
+    each sequence's whole context (cached prefix and new tokens) back from the cache."""
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    context_slots: torch.Tensor  # [Tk] cache slots of every sequence's whole context, packed
+    batch: VarlenBatch
+    scale: float
+
+    def attend(self, layer: int, q, k, v):
+        k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
+        k_cache[self.slot_mapping] = k
+        v_cache[self.slot_mapping] = v
+        out, _ = attention_with_lse(
+            q, k_cache[self.context_slots], v_cache[self.context_slots], self.batch, self.scale
+        )
+        return out
+
+    def all_reduce(self, x):
+        return x

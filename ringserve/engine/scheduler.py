@@ -1,0 +1,105 @@
+"""Continuous batching: which sequences compute how many tokens in the next step.
+
+Each step spends a token budget: running sequences first (a decode token each, or the
+next chunk of a long prompt), then waiting ones are admitted while budget and blocks
+last. When blocks run out, the most recently admitted sequence is preempted: its blocks
+are freed and it waits to be recomputed (its full blocks usually survive in the prefix
+cache, so recomputation is cheap).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from ringserve.engine.block_manager import BlockManager
+from ringserve.engine.sequence import Sequence, Status
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_tokens: list[int]  # new tokens computed for each sequence this step
+
+    def __bool__(self):
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = Status.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        logger.debug("preempting %s: out of KV-cache blocks", seq.request_id)
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        preempted = False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                batch.seqs.append(seq)
+                batch.num_tokens.append(n)
+                budget -= n
+        # Admit waiting sequences only when nothing was preempted: otherwise they would
+        # take the blocks just freed and the preempted sequence could starve.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.block_manager.match_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.allocate(seq, n):
+                if not self.running and not batch:
+                    # Alone and still too big: even the whole cache cannot hold it.
+                    self.block_manager.free(seq)
+                    raise MemoryError(
+                        f"request {seq.request_id} needs more KV-cache blocks than exist "
+                        f"({self.block_manager.num_blocks}); raise --num-blocks or lower --max-model-len"
+                    )
+                self.block_manager.free(seq)
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+        return batch

@@ -1,0 +1,231 @@
+"""One decoder-only transformer for Llama, Qwen3, Mixtral and Qwen3-MoE checkpoints.
+
+Reads like single-device code and keeps Hugging Face parameter names, so checkpoint
+tensors load by name. Tokens are packed: a step's new tokens of every sequence form one
+[T] row, with their global positions. Anything that crosses sequences or devices goes
+through the `ForwardContext` passed in: `ctx.attend` (the paged-cache or ring attention)
+and `ctx.all_reduce` (the tensor-parallel sum, identity on one rank).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ringserve.config import ModelConfig
+
+
+class ForwardContext(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, NH, D], k and v [T, NKV, D] of this step's tokens -> [T, NH, D]."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the tensor-parallel ranks."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for global positions; scaled variants (llama3, yarn, ...) via transformers."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self):
+        hf, head_dim = self.config.hf_config, self.config.head_dim
+        params = getattr(hf, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+            dims = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+            self.attention_scaling = 1.0
+            return 1.0 / (theta ** (dims / head_dim))
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+        return inv_freq
+
+    def reset_buffers(self):
+        """Recompute inv_freq after the model was built on the meta device."""
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)
+        sin = (emb.sin() * self.attention_scaling).to(dtype)
+        return cos[:, None, :], sin[:, None, :]  # [T, 1, D], broadcast over heads
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x, cos, sin):
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, rope, ctx: ForwardContext):
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, -1, self.head_dim)
+        k = self.k_proj(x).view(tokens, -1, self.head_dim)
+        v = self.v_proj(x).view(tokens, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = ctx.attend(self.layer, q, k, v)
+        return ctx.all_reduce(self.o_proj(out.reshape(tokens, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x, ctx: ForwardContext):
+        return ctx.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class Experts(nn.Module):
+    """The experts of one MoE layer, stacked: expert e's weights are gate_proj[e] etc."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def grouped_forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [N, H]: tokens sorted by expert, counts[e] of them for local expert e -> [N, H].
+
+        Each expert runs once over its whole group (no per-token loop); an expert with no
+        token costs nothing.
+        """
+        out = torch.empty_like(x)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            h = x[start : start + count]
+            act = F.silu(h @ self.gate_proj[e].t()) * (h @ self.up_proj[e].t())
+            out[start : start + count] = act @ self.down_proj[e].t()
+            start += count
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (softmax, top-k, optional renormalisation) and experts; exact, no capacity limit."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+
+    def route(self, x):
+        """-> (expert ids [T, k], weights [T, k]) for each token."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+    def forward(self, x, ctx: ForwardContext):
+        experts, weights = self.route(x)
+        flat = experts.flatten()  # [T * k]: token t's j-th choice at t * k + j
+        order = torch.argsort(flat, stable=True)
+        token_of = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        y = self.experts.grouped_forward(x[token_of], counts)
+        y = y * weights.flatten()[order].unsqueeze(-1)
+        out = torch.zeros_like(x).index_add_(0, token_of, y)
+        return ctx.all_reduce(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        if config.layer_is_sparse(layer):
+            self.mlp = SparseMoeBlock(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, rope, ctx: ForwardContext):
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+class Transformer(nn.Module):
+    """Causal LM: `forward` gives final hidden states, `compute_logits` the vocabulary scores."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
+        """input_ids, positions [T] -> hidden states [T, H]."""
+        x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, rope, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, V] float32."""
+        return self.lm_head(hidden).float()

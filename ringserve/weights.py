@@ -1,0 +1,180 @@
+"""Build a model on the meta device and fill it from safetensors files, tensor by tensor.
+
+Tensors are found by their on-disk names; MoE checkpoints keep one tensor per expert,
+which lands in its slot of the stacked expert parameter. `ShardPlan` (tensor parallelism)
+says which slice of a tensor this rank owns, so each rank reads only its own bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from contextlib import contextmanager
+
+import torch
+from safetensors import safe_open
+
+from ringserve.config import ModelConfig
+from ringserve.errors import ModelLoadError
+from ringserve.model import Experts, Transformer
+
+logger = logging.getLogger(__name__)
+
+# On-disk expert tensors -> (stacked parameter, expert index).
+_EXPERT_PATTERNS = [
+    # Mixtral: block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down)
+    (re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.w([123])\.weight$"),
+     {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}),
+    # Qwen3-MoE: mlp.experts.{e}.gate_proj / up_proj / down_proj
+    (re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"),
+     None),
+]
+_RENAMES = [(re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate.")]
+# Tensors some checkpoints carry that the model recomputes.
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def checkpoint_param_name(name: str) -> tuple[str, int | None]:
+    """Map an on-disk tensor name to (model parameter name, expert index or None)."""
+    for pattern, names in _EXPERT_PATTERNS:
+        m = pattern.match(name)
+        if m:
+            prefix, expert, which = m.groups()
+            which = names[which] if names else which
+            return f"{prefix}.mlp.experts.{which}", int(expert)
+    for pattern, repl in _RENAMES:
+        name = pattern.sub(repl, name)
+    return name, None
+
+
+class ShardPlan:
+    """Which part of each tensor this rank holds; the default holds every tensor whole."""
+
+    def local_slice(self, param_name: str, full_shape: tuple[int, ...]):
+        """A tuple of slices into the on-disk tensor, or None for all of it."""
+        return None
+
+
+def checkpoint_files(folder: str) -> list[str]:
+    """The safetensors files of a model folder: one file, or the shards its index names."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index} is not a valid safetensors index: {e}") from e
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+        if not files:
+            raise ModelLoadError(f"no .safetensors weights in {folder}")
+    paths = [os.path.join(folder, f) for f in files]
+    for path in paths:
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"weight file listed in the index is missing: {path}")
+    return paths
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """The model's modules with uninitialised storage on `device` (no weights read yet)."""
+    with _default_dtype(dtype), torch.device("meta"):
+        model = Transformer(config)
+    model = model.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty gives each module its own storage: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb.reset_buffers()
+    return model.eval().requires_grad_(False)
+
+
+def load_weights(
+    model: Transformer,
+    folder: str,
+    plan: ShardPlan | None = None,
+    show_progress: bool = False,
+) -> None:
+    """Copy every checkpoint tensor into its place in `model`, checking names and shapes."""
+    plan = plan or ShardPlan()
+    params = dict(model.named_parameters())
+    filled: dict[str, set] = {}
+    files = checkpoint_files(folder)
+    from tqdm import tqdm
+
+    progress = tqdm(total=len(params), desc="Loading weights", unit="tensor", disable=not show_progress)
+    for path in files:
+        try:
+            handle = safe_open(path, framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error type for bad headers
+            raise ModelLoadError(f"cannot read weight file {path}: {e}") from e
+        with handle as f:
+            for name in f.keys():
+                if _IGNORED.search(name):
+                    continue
+                param_name, expert = checkpoint_param_name(name)
+                param = params.get(param_name)
+                if param is None:
+                    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                        continue  # tied: the embedding is the head
+                    logger.warning("ignoring tensor %s in %s: the model has no such parameter", name, path)
+                    continue
+                target = param[expert] if expert is not None else param
+                try:
+                    source = f.get_slice(name)
+                    full_shape = tuple(source.get_shape())
+                    index = plan.local_slice(param_name, full_shape)
+                    tensor = source[index] if index is not None else source[:]
+                except Exception as e:
+                    raise ModelLoadError(f"cannot read tensor {name} from {path} (truncated file?): {e}") from e
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ModelLoadError(
+                        f"tensor {name} in {path} has shape {tuple(tensor.shape)}, "
+                        f"the model expects {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
+                done = filled.setdefault(param_name, set())
+                done.add(expert)
+                if expert is None or len(done) == param.shape[0]:
+                    progress.update(1)
+    progress.close()
+    stacked = {
+        f"{module_name}.{p}"
+        for module_name, module in model.named_modules()
+        if isinstance(module, Experts)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    missing = []
+    for name, param in params.items():
+        done = filled.get(name, set())
+        if name in stacked:
+            absent = sorted(set(range(param.shape[0])) - done)
+            missing += [f"{name}[expert {e}]" for e in absent]
+        elif not done:
+            missing.append(name)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ModelLoadError(f"checkpoint in {folder} lacks {len(missing)} tensor(s): {shown}")
+
+
+def load_model(
+    config: ModelConfig,
+    folder: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    plan: ShardPlan | None = None,
+    show_progress: bool = False,
+) -> Transformer:
+    model = build_model(config, device, dtype)
+    load_weights(model, folder, plan, show_progress)
+    return model

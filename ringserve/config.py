@@ -107,9 +107,7 @@ class ModelConfig:
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             num_experts=num_experts,
             num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) if num_experts else 0,
-            moe_intermediate_size=(
-                getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
-            )
+            moe_intermediate_size=(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
             if num_experts
             else 0,
             # Mixtral always renormalises its top-k weights; Qwen3-MoE says so in its config.
@@ -129,9 +127,7 @@ class ModelConfig:
     def layer_is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` uses the MoE block (Qwen3-MoE keeps some dense)."""
         return (
-            self.is_moe
-            and layer not in self.mlp_only_layers
-            and (layer + 1) % self.decoder_sparse_step == 0
+            self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         )
 
 

@@ -69,7 +69,9 @@ def cache_root() -> str:
 def converted_folder(gguf_path: str) -> str:
     """A folder holding the GGUF file as a Hugging Face checkpoint; converts on first use."""
     stat = os.stat(gguf_path)
-    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{os.path.abspath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    ).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(gguf_path))[0]
     folder = os.path.join(cache_root(), "gguf", f"{stem}-{key}")
     if os.path.isfile(os.path.join(folder, "model.safetensors")):

@@ -58,7 +58,8 @@ class RotaryEmbedding(nn.Module):
             return 1.0 / (theta ** (dims / head_dim))
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+        with torch.device("cpu"):  # also when the model is being built on the meta device
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
         return inv_freq
 
     def reset_buffers(self):

@@ -25,11 +25,12 @@ logger = logging.getLogger(__name__)
 # On-disk expert tensors -> (stacked parameter, expert index).
 _EXPERT_PATTERNS = [
     # Mixtral: block_sparse_moe.experts.{e}.w1 (gate), w3 (up), w2 (down)
-    (re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.w([123])\.weight$"),
-     {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}),
+    (
+        re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.w([123])\.weight$"),
+        {"1": "gate_proj", "3": "up_proj", "2": "down_proj"},
+    ),
     # Qwen3-MoE: mlp.experts.{e}.gate_proj / up_proj / down_proj
-    (re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"),
-     None),
+    (re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"), None),
 ]
 _RENAMES = [(re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate.")]
 # Tensors some checkpoints carry that the model recomputes.
@@ -136,7 +137,9 @@ def load_weights(
                     index = plan.local_slice(param_name, full_shape)
                     tensor = source[index] if index is not None else source[:]
                 except Exception as e:
-                    raise ModelLoadError(f"cannot read tensor {name} from {path} (truncated file?): {e}") from e
+                    raise ModelLoadError(
+                        f"cannot read tensor {name} from {path} (truncated file?): {e}"
+                    ) from e
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ModelLoadError(
                         f"tensor {name} in {path} has shape {tuple(tensor.shape)}, "

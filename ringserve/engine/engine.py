@@ -20,7 +20,7 @@ from ringserve.engine.kv_cache import KVCache
 from ringserve.engine.runner import ModelRunner
 from ringserve.engine.sampler import sample
 from ringserve.engine.scheduler import Scheduler
-from ringserve.engine.sequence import Sequence, Status
+from ringserve.engine.sequence import Sequence
 from ringserve.errors import ModelLoadError, RequestError
 from ringserve.gguf_import import builtin_model_path, converted_folder
 from ringserve.outputs import RequestOutput
@@ -76,8 +76,13 @@ class LLMEngine:
         self.max_model_len = ec.max_model_len or config.max_position_embeddings
         num_blocks = self._num_blocks()
         self.kv_cache = KVCache(
-            config.num_hidden_layers, num_blocks, ec.block_size, config.num_key_value_heads,
-            config.head_dim, self.dtype, self.device,
+            config.num_hidden_layers,
+            num_blocks,
+            ec.block_size,
+            config.num_key_value_heads,
+            config.head_dim,
+            self.dtype,
+            self.device,
         )
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs)
@@ -87,13 +92,20 @@ class LLMEngine:
         self._ids = itertools.count()
         logger.info(
             "model %s (%s) on %s in %s; KV cache %d blocks of %d tokens (%.1f MiB)",
-            self.model_path, config.architecture, self.device, self.dtype,
-            num_blocks, ec.block_size, self.kv_cache.nbytes / 2**20,
+            self.model_path,
+            config.architecture,
+            self.device,
+            self.dtype,
+            num_blocks,
+            ec.block_size,
+            self.kv_cache.nbytes / 2**20,
         )
 
     def _num_blocks(self) -> int:
         ec, c = self.engine_config, self.model_config
-        per_block = KVCache.bytes_per_block(c.num_hidden_layers, ec.block_size, c.num_key_value_heads, c.head_dim, self.dtype)
+        per_block = KVCache.bytes_per_block(
+            c.num_hidden_layers, ec.block_size, c.num_key_value_heads, c.head_dim, self.dtype
+        )
         if ec.num_blocks is not None:
             num_blocks = ec.num_blocks
         else:
@@ -259,7 +271,10 @@ class LLMEngine:
 
 
 def _load_tokenizer(folder: str):
-    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any(
+        os.path.isfile(os.path.join(folder, f))
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
         logger.warning("%s has no tokenizer: prompts must be token ids", folder)
         return None
     from transformers import AutoTokenizer

@@ -63,9 +63,10 @@ class ModelRunner:
         return tensor(input_ids), positions_t, ctx, tensor(sample_rows)
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [S, V] float32 for the sequences of the batch that reached their last token."""
+    def forward(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
+        """Logits [S, V] float32 for the sequences of the batch that reached their last
+        token (all_logits: [T, V] for every computed token, for checks and scoring)."""
         input_ids, positions, ctx, sample_rows = self.prepare(batch)
         hidden = self.model(input_ids, positions, ctx)
         self.num_forward_tokens += int(input_ids.shape[0])
-        return self.model.compute_logits(hidden[sample_rows])
+        return self.model.compute_logits(hidden if all_logits else hidden[sample_rows])

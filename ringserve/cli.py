@@ -1,0 +1,158 @@
+"""Command line: `ringserve generate ...`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model folder (config.json + safetensors) or a .gguf file; "
+        "default: the built-in SmolLM2-135M-Instruct",
+    )
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (a GPU if there is one)")
+    p.add_argument(
+        "--dtype", default="auto", help="float32, bfloat16, float16, or auto (the checkpoint's own)"
+    )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest sequence (prompt + output) in tokens; default: the model's context",
+    )
+    p.add_argument(
+        "--num-blocks", type=int, default=None, help="KV-cache blocks; default: from the memory budget"
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens computed per step; longer prompts are prefilled in chunks",
+    )
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="-v: info logs, -vv: debug logs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ringserve", description="LLM inference engine for long contexts")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser(
+        "generate",
+        help="complete prompts and stream the text to stdout",
+        description="Complete one or more prompts. With one prompt the text streams as it is "
+        "generated; a summary line (tokens, time to first token, tokens/s) ends the run.",
+    )
+    gen.add_argument(
+        "prompt",
+        nargs="*",
+        help="prompt text; several prompts run as one batch (default: 'What is the capital of France?')",
+    )
+    gen.add_argument("--max-tokens", type=int, default=128, help="new tokens at most per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; higher is more random")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens up to this mass")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed: same seed, same output")
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    gen.add_argument(
+        "--no-chat",
+        action="store_true",
+        help="raw completion: do not wrap the prompt in the model's chat template",
+    )
+    _add_model_args(gen)
+    return parser
+
+
+def _generate(args) -> int:
+    from ringserve import LLM, SamplingParams
+    from ringserve.errors import RingserveError
+
+    prompts = args.prompt or ["What is the capital of France?"]
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
+        llm = LLM(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            tp=args.tp,
+            cp=args.cp,
+            ep=args.ep,
+            show_progress=sys.stderr.isatty(),
+            max_model_len=args.max_model_len,
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
+        )
+    except (RingserveError, ValueError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with llm:
+        chat = (
+            not args.no_chat
+            and llm.tokenizer is not None
+            and bool(getattr(llm.tokenizer, "chat_template", None))
+        )
+        start = time.perf_counter()
+        first_token = None
+        outputs = {}
+        try:
+            for out in llm.generate_stream(prompts, params, chat=chat):
+                if first_token is None:
+                    first_token = time.perf_counter()
+                if len(prompts) == 1:
+                    sys.stdout.write(out.new_text)
+                    sys.stdout.flush()
+                if out.finished:
+                    outputs[out.request_id] = out
+        except RingserveError as e:
+            print(f"\nerror: {e}", file=sys.stderr)
+            return 2
+        end = time.perf_counter()
+        if len(prompts) == 1:
+            sys.stdout.write("\n")
+        else:
+            for i, (prompt, out) in enumerate(
+                zip(prompts, sorted(outputs.values(), key=lambda o: int(o.request_id)))
+            ):
+                print(f"[{i}] {prompt}\n{out.text}\n")
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs.values())
+        new_tokens = sum(len(o.token_ids) for o in outputs.values())
+        ttft = (first_token - start) * 1000 if first_token else float("nan")
+        decode_time = end - (first_token or start)
+        rate = (new_tokens - len(outputs)) / decode_time if decode_time > 0 else float("nan")
+        print(
+            f"prompt tokens: {prompt_tokens}, generated tokens: {new_tokens}, "
+            f"time to first token: {ttft:.1f} ms, decode: {rate:.1f} tokens/s, total: {end - start:.2f} s"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "generate":
+        return _generate(args)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

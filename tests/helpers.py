@@ -1,0 +1,40 @@
+"""Test helpers that drive the engine's pieces directly."""
+
+from __future__ import annotations
+
+import torch
+
+from ringserve.engine.scheduler import ScheduledBatch
+from ringserve.engine.sequence import Sequence
+from ringserve.sampling_params import SamplingParams
+
+
+def engine_logits(engine, token_ids: list[int], prefill: int) -> torch.Tensor:
+    """Logits [len, V] of every position: `prefill` tokens in one step, then one per step
+    through the paged cache, as decoding computes them."""
+    seq = Sequence("probe", token_ids[:prefill], SamplingParams())
+    rows = []
+    steps = [prefill] + [1] * (len(token_ids) - prefill)
+    for n in steps:
+        seq.prompt_token_ids = token_ids[: seq.num_computed_tokens + n]
+        assert engine.block_manager.allocate(seq, n)
+        rows.append(engine.runner.forward(ScheduledBatch([seq], [n]), all_logits=True))
+        seq.num_computed_tokens += n
+    engine.block_manager.free(seq)
+    return torch.cat(rows)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation, past any EOS (as ignore_eos=True)."""
+    ids = torch.tensor([prompt])
+    model.generation_config.eos_token_id = None
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    tokens = out[0, len(prompt) :].tolist()
+    assert len(tokens) == max_new_tokens
+    return tokens

@@ -1,0 +1,112 @@
+"""The built-in SmolLM2-135M-Instruct (a Q4_1 GGUF shipped on PyPI) and the CLI."""
+
+import os
+
+import pytest
+
+from ringserve import LLM, SamplingParams
+from ringserve.cli import main
+
+from conftest import hf_model
+from helpers import hf_greedy
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(None, device="cpu", dtype="float32") as llm:
+        yield llm
+
+
+def test_builtin_greedy_equals_transformers_on_the_dequantised_weights(llm, builtin_dir):
+    from transformers import AutoTokenizer
+
+    assert os.path.realpath(llm.engine.model_path) == os.path.realpath(builtin_dir)
+    tokenizer = AutoTokenizer.from_pretrained(builtin_dir)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three colours."}], add_generation_prompt=True, tokenize=False
+    )
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    ours = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    assert ours.token_ids == hf_greedy(hf_model(builtin_dir), prompt, 24)
+
+
+def test_builtin_answers_paris_through_the_chat_template(llm):
+    out = llm.generate([QUESTION], SamplingParams(max_tokens=32, temperature=0), chat=True)[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # ended by <|im_end|>, which the text leaves out
+    assert "<|im_end|>" not in out.text
+
+
+def test_gguf_conversion_is_cached(builtin_dir):
+    from ringserve.gguf_import import builtin_model_path, converted_folder
+
+    stamp = os.path.getmtime(os.path.join(builtin_dir, "model.safetensors"))
+    assert converted_folder(builtin_model_path()) == builtin_dir
+    assert os.path.getmtime(os.path.join(builtin_dir, "model.safetensors")) == stamp
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        assert os.path.isfile(os.path.join(builtin_dir, name))
+
+
+def test_stop_strings_cut_the_text(llm):
+    full = llm.generate([QUESTION], SamplingParams(max_tokens=32, temperature=0), chat=True)[0].text
+    cut = full.index("France")
+    out = llm.generate(
+        [QUESTION], SamplingParams(max_tokens=32, temperature=0, stop=["France", "zzz"]), chat=True
+    )[0]
+    assert out.text == full[:cut]
+    assert out.finish_reason == "stop" and out.stop_reason == "France"
+
+
+def test_streamed_text_adds_up_to_the_final_text(llm):
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=5, stop=["\n\n"])
+    pieces, final = [], None
+    for out in llm.generate_stream(["Write a short poem about the sea."], params, chat=True):
+        pieces.append(out.new_text)
+        final = out
+    assert "".join(pieces) == final.text
+    again = llm.generate(["Write a short poem about the sea."], params, chat=True)[0]
+    assert again.text == final.text  # the seed reproduces it
+
+
+def test_raw_completion_without_chat_template(llm):
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))[0]
+    ids = llm.tokenizer.encode("The capital of France is")
+    assert out.prompt_token_ids == ids
+
+
+def test_cli_generate_answers_paris(capsys):
+    assert main(["generate", QUESTION, "--device", "cpu", "--max-tokens", "32"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "Paris" in lines[0]
+    assert lines[-1].startswith("prompt tokens:") and "time to first token" in lines[-1]
+
+
+def test_cli_reports_bad_model(capsys):
+    assert main(["generate", "hi", "--model", "/nonexistent/model"]) == 2
+    assert "model not found" in capsys.readouterr().err
+
+
+def test_cli_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    for option in (
+        "--model",
+        "--max-tokens",
+        "--temperature",
+        "--top-p",
+        "--seed",
+        "--device",
+        "--dtype",
+        "--no-chat",
+    ):
+        assert option in text
+
+
+def test_greedy_batch_of_chat_prompts_matches_alone(llm):
+    questions = [QUESTION, "What is 2 + 2?", "Name a large animal."]
+    params = SamplingParams(max_tokens=16, temperature=0)
+    alone = [llm.generate([q], params, chat=True)[0].token_ids for q in questions]
+    assert [o.token_ids for o in llm.generate(questions, params, chat=True)] == alone

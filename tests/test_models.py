@@ -1,0 +1,38 @@
+"""Every architecture against Hugging Face transformers on the same weights."""
+
+import pytest
+import torch
+
+from ringserve import LLM, SamplingParams
+from ringserve.engine.engine import LLMEngine
+
+from conftest import ARCHITECTURES, hf_model
+from helpers import engine_logits, hf_greedy
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_logits_match_transformers(arch, tiny_model_dir):
+    folder = tiny_model_dir(arch)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 256, (40,)).tolist()
+    with torch.no_grad():
+        ref = hf_model(folder)(torch.tensor([tokens])).logits[0]
+    engine = LLMEngine(folder, device="cpu", dtype="float32")
+    # Prefill of 29 tokens, then 11 decode steps reading the paged cache.
+    ours = engine_logits(engine, tokens, prefill=29)
+    rel = (ours - ref).norm() / ref.norm()
+    assert rel < 1e-4, f"{arch}: relative logits error {rel:.2e}"
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_tokens_match_transformers(arch, tiny_model_dir):
+    folder = tiny_model_dir(arch)
+    prompts = [[5, 17, 42, 99, 3, 250, 7], list(range(10, 31))]
+    ref_model = hf_model(folder)
+    with LLM(folder, device="cpu", dtype="float32") as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(ref_model, prompt, 20)
+        assert out.prompt_token_ids == prompt
+        assert out.finish_reason == "length"

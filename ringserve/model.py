@@ -49,8 +49,9 @@ class RotaryEmbedding(nn.Module):
 
     def _inv_freq(self):
         hf, head_dim = self.config.hf_config, self.config.head_dim
-        params = getattr(hf, "rope_parameters", None) or {}
-        rope_type = params.get("rope_type", "default")
+        # transformers 5 names it rope_parameters; 4.x, rope_scaling (plus rope_theta).
+        params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type == "default":
             theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
             dims = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()

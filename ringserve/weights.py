@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Mapping
 from contextlib import contextmanager
 
 import torch
@@ -100,56 +101,78 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -
     return model.eval().requires_grad_(False)
 
 
-def load_weights(
-    model: Transformer,
-    folder: str,
-    plan: ShardPlan | None = None,
-    show_progress: bool = False,
-) -> None:
-    """Copy every checkpoint tensor into its place in `model`, checking names and shapes."""
-    plan = plan or ShardPlan()
-    params = dict(model.named_parameters())
-    filled: dict[str, set] = {}
-    files = checkpoint_files(folder)
-    from tqdm import tqdm
-
-    progress = tqdm(total=len(params), desc="Loading weights", unit="tensor", disable=not show_progress)
-    for path in files:
+def _file_tensors(folder: str):
+    """(name, origin, read(index)) for every tensor of a folder's safetensors files."""
+    for path in checkpoint_files(folder):
         try:
             handle = safe_open(path, framework="pt", device="cpu")
         except Exception as e:  # safetensors raises its own error type for bad headers
             raise ModelLoadError(f"cannot read weight file {path}: {e}") from e
         with handle as f:
             for name in f.keys():
-                if _IGNORED.search(name):
-                    continue
-                param_name, expert = checkpoint_param_name(name)
-                param = params.get(param_name)
-                if param is None:
-                    if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                        continue  # tied: the embedding is the head
-                    logger.warning("ignoring tensor %s in %s: the model has no such parameter", name, path)
-                    continue
-                target = param[expert] if expert is not None else param
-                try:
+
+                def read(index, name=name, f=f):
                     source = f.get_slice(name)
-                    full_shape = tuple(source.get_shape())
-                    index = plan.local_slice(param_name, full_shape)
-                    tensor = source[index] if index is not None else source[:]
-                except Exception as e:
-                    raise ModelLoadError(
-                        f"cannot read tensor {name} from {path} (truncated file?): {e}"
-                    ) from e
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ModelLoadError(
-                        f"tensor {name} in {path} has shape {tuple(tensor.shape)}, "
-                        f"the model expects {tuple(target.shape)}"
-                    )
-                target.copy_(tensor)
-                done = filled.setdefault(param_name, set())
-                done.add(expert)
-                if expert is None or len(done) == param.shape[0]:
-                    progress.update(1)
+                    index = index(tuple(source.get_shape()))
+                    return source[index] if index is not None else source[:]
+
+                yield name, path, read
+
+
+def _memory_tensors(tensors: Mapping[str, torch.Tensor]):
+    for name, tensor in tensors.items():
+
+        def read(index, tensor=tensor):
+            index = index(tuple(tensor.shape))
+            return tensor[index] if index is not None else tensor
+
+        yield name, "memory", read
+
+
+def load_weights(
+    model: Transformer,
+    folder: str,
+    plan: ShardPlan | None = None,
+    show_progress: bool = False,
+    tensors: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Copy every checkpoint tensor into its place in `model`, checking names and shapes.
+
+    tensors: take the weights from this mapping (Hugging Face names) instead of the
+    folder's files, e.g. a transformers model's state_dict in a benchmark.
+    """
+    plan = plan or ShardPlan()
+    params = dict(model.named_parameters())
+    filled: dict[str, set] = {}
+    from tqdm import tqdm
+
+    progress = tqdm(total=len(params), desc="Loading weights", unit="tensor", disable=not show_progress)
+    source = _memory_tensors(tensors) if tensors is not None else _file_tensors(folder)
+    for name, origin, read in source:
+        if _IGNORED.search(name):
+            continue
+        param_name, expert = checkpoint_param_name(name)
+        param = params.get(param_name)
+        if param is None:
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            logger.warning("ignoring tensor %s in %s: the model has no such parameter", name, origin)
+            continue
+        target = param[expert] if expert is not None else param
+        try:
+            tensor = read(lambda shape, param_name=param_name: plan.local_slice(param_name, shape))
+        except Exception as e:
+            raise ModelLoadError(f"cannot read tensor {name} from {origin} (truncated file?): {e}") from e
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ModelLoadError(
+                f"tensor {name} in {origin} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        done = filled.setdefault(param_name, set())
+        done.add(expert)
+        if expert is None or len(done) == param.shape[0]:
+            progress.update(1)
     progress.close()
     stacked = {
         f"{module_name}.{p}"
@@ -177,7 +200,8 @@ def load_model(
     dtype: torch.dtype,
     plan: ShardPlan | None = None,
     show_progress: bool = False,
+    tensors: Mapping[str, torch.Tensor] | None = None,
 ) -> Transformer:
     model = build_model(config, device, dtype)
-    load_weights(model, folder, plan, show_progress)
+    load_weights(model, folder, plan, show_progress, tensors)
     return model

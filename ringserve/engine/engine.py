@@ -10,6 +10,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -64,7 +65,10 @@ class LLMEngine:
         dtype: str | torch.dtype = "auto",
         engine_config: EngineConfig | None = None,
         show_progress: bool = False,
+        weights: Mapping[str, torch.Tensor] | None = None,
     ):
+        """weights: tensors by Hugging Face name to use instead of the folder's files (the
+        folder still gives config and tokenizer), e.g. a transformers model's state_dict."""
         self.engine_config = ec = engine_config or EngineConfig()
         self.model_path = resolve_model_path(model)
         self.device = resolve_device(device)
@@ -72,7 +76,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(dtype, config.dtype, self.device)
         self.tokenizer = _load_tokenizer(self.model_path)
         self.eos_token_ids = _eos_token_ids(self.model_path, config, self.tokenizer)
-        self.model = load_model(config, self.model_path, self.device, self.dtype, show_progress=show_progress)
+        self.model = load_model(
+            config, self.model_path, self.device, self.dtype, show_progress=show_progress, tensors=weights
+        )
         self.max_model_len = ec.max_model_len or config.max_position_embeddings
         num_blocks = self._num_blocks()
         self.kv_cache = KVCache(

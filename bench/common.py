@@ -1,0 +1,93 @@
+"""Shared pieces of the GPU benchmarks: the machine's two ceilings, timing, model shapes."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import torch
+
+
+def cuda_time_ms(fn, warmup: int = 2, reps: int = 5) -> float:
+    """Median wall time of fn() in ms, the device synchronised around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def event_time_ms(fn, warmup: int = 3, reps: int = 20) -> float:
+    """Median device time of fn() in ms, by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def measure_ceilings() -> dict:
+    """Copy bandwidth (bytes read + written per second) and bf16 matmul rate, measured."""
+    n = 1 << 30  # 2 GiB of bf16
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = event_time_ms(lambda: dst.copy_(src))
+    copy_bw = 2 * src.nbytes / (ms / 1000)
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    ms = event_time_ms(lambda: a @ b)
+    matmul = 2 * m**3 / (ms / 1000)
+    return {"copy_bytes_per_s": copy_bw, "bf16_matmul_flops": matmul}
+
+
+def machine_info() -> dict:
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip() or os.environ.get("RINGSERVE_COMMIT", "")
+    except OSError:
+        info["commit"] = os.environ.get("RINGSERVE_COMMIT", "")
+    info["date"] = time.strftime("%Y-%m-%d")
+    return info
+
+
+def llama3_8b_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def write_json(name: str, data) -> None:
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(data, f, indent=2)

@@ -63,37 +63,46 @@ def bench_hf(model):
     for t in PREFILL:
         ids = prompt_batch(1, t, seed=t).cuda()
 
-        def run():
-            out = model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+        def run(ids=ids):
+            cache = DynamicCache(config=model.config)
+            out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             return out.logits[:, -1].argmax(-1)
 
         results["prefill_ms"][t] = cuda_time_ms(run, warmup=1, reps=3)
         print(f"  transformers prefill {t:6d}: {results['prefill_ms'][t]:8.1f} ms", flush=True)
     for batch in DECODE_BATCHES:
-        ids = prompt_batch(batch, DECODE_PROMPT, seed=batch).cuda()
-        cache = DynamicCache(config=model.config)
-        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-
-        def step():
-            nonlocal token
-            out = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-
-        for _ in range(3):
-            step()
-        ms = cuda_time_ms(lambda: [step() for _ in range(DECODE_STEPS)], warmup=0, reps=1) / DECODE_STEPS
+        ms = _hf_decode_ms(model, prompt_batch(batch, DECODE_PROMPT, seed=batch).cuda())
         results["decode_ms"][batch] = ms
         print(f"  transformers decode batch {batch:3d}: {ms:8.2f} ms/token", flush=True)
-        del cache
     return results
+
+
+def _hf_decode_ms(model, ids):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def step():
+        nonlocal token
+        out = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    for _ in range(3):
+        step()
+    return cuda_time_ms(lambda: [step() for _ in range(DECODE_STEPS)], warmup=0, reps=1) / DECODE_STEPS
 
 
 @torch.inference_mode()
 def bench_ringserve(folder, weights):
     results = {"prefill_ms": {}, "decode_ms": {}}
-    config = EngineConfig(max_model_len=max(PREFILL) + 64, max_num_batched_tokens=max(PREFILL) + 64,
-                          kv_cache_memory=24 << 30, enable_prefix_caching=False)
+    config = EngineConfig(
+        max_model_len=max(PREFILL) + 64,
+        max_num_batched_tokens=max(PREFILL) + 64,
+        kv_cache_memory=24 << 30,
+        enable_prefix_caching=False,
+    )
     engine = LLMEngine(folder, device="cuda", dtype="bfloat16", engine_config=config, weights=weights)
     greedy_one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
@@ -101,10 +110,10 @@ def bench_ringserve(folder, weights):
         while engine.has_unfinished():
             engine.step()
 
+    seeds = iter(range(1000))  # a fresh prompt each time, so nothing is cached
     for t in PREFILL:
-        seeds = iter(range(100))
 
-        def prefill():
+        def prefill(t=t):
             engine.add_request(prompt_batch(1, t, seed=t + next(seeds))[0].tolist(), greedy_one)
             run_to_end()
 
@@ -116,7 +125,10 @@ def bench_ringserve(folder, weights):
             engine.add_request(row.tolist(), params)
         for _ in range(4):  # the prefill step and three decode steps
             engine.step()
-        ms = cuda_time_ms(lambda: [engine.step() for _ in range(DECODE_STEPS)], warmup=0, reps=1) / DECODE_STEPS
+        ms = (
+            cuda_time_ms(lambda: [engine.step() for _ in range(DECODE_STEPS)], warmup=0, reps=1)
+            / DECODE_STEPS
+        )
         run_to_end()
         results["decode_ms"][batch] = ms
         print(f"  ringserve    decode batch {batch:3d}: {ms:8.2f} ms/token", flush=True)
@@ -127,8 +139,11 @@ def bench_ringserve(folder, weights):
 def main():
     info = machine_info()
     ceilings = measure_ceilings()
-    print(f"{info}\ncopy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-          f"bf16 matmul {ceilings['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s", flush=True)
+    print(
+        f"{info}\ncopy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+        f"bf16 matmul {ceilings['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
     from transformers import AutoModelForCausalLM
 
     cfg = llama3_8b_config()
@@ -145,15 +160,25 @@ def main():
     gc.collect()
     prefill_roof, decode_roof = roofline(cfg, ceilings)
     rows = []
-    print(f"\n{'what':28s} {'ringserve':>10s} {'transformers':>12s} {'roofline':>9s} {'ours/roof':>9s} {'hf/ours':>8s}")
+    print(
+        f"\n{'what':28s} {'ringserve':>10s} {'transformers':>12s} {'roofline':>9s} {'ours/roof':>9s} {'hf/ours':>8s}"
+    )
     for t in PREFILL:
         o, h, r = ours["prefill_ms"][t], hf_results["prefill_ms"][t], prefill_roof(t)
         rows.append({"what": f"prefill TTFT {t}", "ringserve_ms": o, "transformers_ms": h, "roofline_ms": r})
         print(f"{'prefill TTFT ' + str(t):28s} {o:10.1f} {h:12.1f} {r:9.1f} {r / o:9.2f} {h / o:8.2f}")
     for b in DECODE_BATCHES:
-        o, h, r = ours["decode_ms"][b], hf_results["decode_ms"][b], decode_roof(b, DECODE_PROMPT + DECODE_STEPS)
-        rows.append({"what": f"decode ms/token batch {b}", "ringserve_ms": o, "transformers_ms": h, "roofline_ms": r})
-        print(f"{'decode ms/token batch ' + str(b):28s} {o:10.2f} {h:12.2f} {r:9.2f} {r / o:9.2f} {h / o:8.2f}")
+        o, h, r = (
+            ours["decode_ms"][b],
+            hf_results["decode_ms"][b],
+            decode_roof(b, DECODE_PROMPT + DECODE_STEPS),
+        )
+        rows.append(
+            {"what": f"decode ms/token batch {b}", "ringserve_ms": o, "transformers_ms": h, "roofline_ms": r}
+        )
+        print(
+            f"{'decode ms/token batch ' + str(b):28s} {o:10.2f} {h:12.2f} {r:9.2f} {r / o:9.2f} {h / o:8.2f}"
+        )
     write_json("bench_core.json", {"machine": info, "ceilings": ceilings, "params": params, "rows": rows})
 
 

@@ -47,7 +47,7 @@ def measure_ceilings() -> dict:
     dst = torch.empty_like(src)
     ms = event_time_ms(lambda: dst.copy_(src))
     copy_bw = 2 * src.nbytes / (ms / 1000)
-    del src, dst
+    src = dst = None  # free before the matmul
     m = 8192
     a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
@@ -65,8 +65,9 @@ def machine_info() -> dict:
     except ImportError:
         pass
     try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True).stdout.strip() or os.environ.get("RINGSERVE_COMMIT", "")
+        info["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip() or os.environ.get("RINGSERVE_COMMIT", "")
     except OSError:
         info["commit"] = os.environ.get("RINGSERVE_COMMIT", "")
     info["date"] = time.strftime("%Y-%m-%d")
@@ -77,12 +78,25 @@ def llama3_8b_config():
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
         architectures=["LlamaForCausalLM"],
     )
 

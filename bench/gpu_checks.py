@@ -9,12 +9,12 @@ import tempfile
 import torch
 
 sys.path.insert(0, "tests")
-from conftest import ARCHITECTURES, hf_model, save_tiny_model  # noqa: E402
-from helpers import engine_logits, hf_greedy  # noqa: E402
-
 from ringserve import LLM, SamplingParams  # noqa: E402
 from ringserve.attention import VarlenBatch, _math_varlen, attention_with_lse  # noqa: E402
 from ringserve.engine.engine import LLMEngine  # noqa: E402
+
+from conftest import ARCHITECTURES, hf_model, save_tiny_model  # noqa: E402
+from helpers import engine_logits, hf_greedy  # noqa: E402
 
 
 def rel(a, b):
@@ -24,8 +24,11 @@ def rel(a, b):
 def check_attention():
     torch.manual_seed(0)
     nh, nkv, d = 32, 8, 128
-    cases = {"prefill": ([700, 300], [700, 300]), "chunk after prefix": ([256, 5], [1024, 77]),
-             "decode": ([1] * 8, [33, 900, 1, 64, 2048, 7, 100, 513])}
+    cases = {
+        "prefill": ([700, 300], [700, 300]),
+        "chunk after prefix": ([256, 5], [1024, 77]),
+        "decode": ([1] * 8, [33, 900, 1, 64, 2048, 7, 100, 513]),
+    }
     for name, (lq, lk) in cases.items():
         q = torch.randn(sum(lq), nh, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(sum(lk), nkv, d, device="cuda", dtype=torch.bfloat16)
@@ -58,8 +61,10 @@ def check_models():
             with LLM(folder, device="cuda", dtype="float32") as llm:
                 got = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
             want = hf_greedy(ref.cpu(), prompt, 16)
-            print(f"{arch:10s} cuda fp32 logits rel err {e32:.1e}, bf16 {e16:.1e}, "
-                  f"greedy equal: {got.token_ids == want}")
+            print(
+                f"{arch:10s} cuda fp32 logits rel err {e32:.1e}, bf16 {e16:.1e}, "
+                f"greedy equal: {got.token_ids == want}"
+            )
             assert e32 < 1e-4 and e16 < 3e-2 and got.token_ids == want, arch
 
 

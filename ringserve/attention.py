@@ -37,8 +37,29 @@ class VarlenBatch:
 def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float):
     """Causal attention of packed queries over packed keys; returns (out, lse)."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and batch.causal_suffix:
+        if batch.q_bounds is not None and batch.q_bounds == batch.k_bounds:
+            # Whole prompts with no cached prefix: cuDNN's causal kernel is the fastest
+            # with LSE on Hopper (about twice the flash kernel at long lengths).
+            return _cudnn_per_sequence(q, k, v, batch.q_bounds, scale)
         return _flash_varlen(q, k, v, batch, scale)
     return _math_varlen(q, k, v, batch, scale)
+
+
+def _cudnn_per_sequence(q, k, v, bounds: list[int], scale: float):
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        # [L, H, D] -> [1, H, L, D] views; K/V heads repeated for grouped-query attention.
+        qs = q[start:end].transpose(0, 1).unsqueeze(0)
+        ks = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+        vs = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+        o, l, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qs, ks, vs, None, True, 0.0, True, False, scale=scale
+        )
+        out[start:end] = o[0].transpose(0, 1)
+        lse[start:end] = l[0, :, :, 0].transpose(0, 1) if l.dim() == 4 else l[0].transpose(0, 1)
+    return out, lse
 
 
 def _flash_varlen(q, k, v, batch: VarlenBatch, scale: float):

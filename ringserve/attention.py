@@ -54,11 +54,12 @@ def _cudnn_per_sequence(q, k, v, bounds: list[int], scale: float):
         qs = q[start:end].transpose(0, 1).unsqueeze(0)
         ks = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
         vs = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-        o, l, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        seq_out, seq_lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             qs, ks, vs, None, True, 0.0, True, False, scale=scale
         )
-        out[start:end] = o[0].transpose(0, 1)
-        lse[start:end] = l[0, :, :, 0].transpose(0, 1) if l.dim() == 4 else l[0].transpose(0, 1)
+        out[start:end] = seq_out[0].transpose(0, 1)
+        # lse: [1, H, L], or [1, H, L, 1] in some versions
+        lse[start:end] = seq_lse[0].reshape(q.shape[1], end - start).transpose(0, 1)
     return out, lse
 
 

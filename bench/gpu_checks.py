@@ -57,7 +57,9 @@ def check_models():
             ours = engine_logits(LLMEngine(folder, device="cuda", dtype="float32"), tokens, prefill=40)
             e32 = rel(ours, ref_logits)
             ours16 = engine_logits(LLMEngine(folder, device="cuda", dtype="bfloat16"), tokens, prefill=40)
-            e16 = rel(ours16, ref_logits)
+            with torch.no_grad():  # bf16 against transformers in bf16: the same rounding regime
+                ref16 = hf_model(folder).cuda().to(torch.bfloat16)(torch.tensor([tokens], device="cuda")).logits[0]
+            e16 = rel(ours16, ref16)
             prompt = tokens[:20]
             with LLM(folder, device="cuda", dtype="float32") as llm:
                 got = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
@@ -66,8 +68,7 @@ def check_models():
                 f"{arch:10s} cuda fp32 logits rel err {e32:.1e}, bf16 {e16:.1e}, "
                 f"greedy equal: {got.token_ids == want}"
             )
-            # bf16 against the float32 reference: rounding, and for MoE the odd routing flip.
-            assert e32 < 1e-4 and e16 < 6e-2 and got.token_ids == want, arch
+            assert e32 < 1e-4 and e16 < 3e-2 and got.token_ids == want, arch
 
 
 if __name__ == "__main__":

@@ -58,7 +58,12 @@ def check_models():
             e32 = rel(ours, ref_logits)
             ours16 = engine_logits(LLMEngine(folder, device="cuda", dtype="bfloat16"), tokens, prefill=40)
             with torch.no_grad():  # bf16 against transformers in bf16: the same rounding regime
-                ref16 = hf_model(folder).cuda().to(torch.bfloat16)(torch.tensor([tokens], device="cuda")).logits[0]
+                ref16 = (
+                    hf_model(folder)
+                    .cuda()
+                    .to(torch.bfloat16)(torch.tensor([tokens], device="cuda"))
+                    .logits[0]
+                )
             e16 = rel(ours16, ref16)
             prompt = tokens[:20]
             with LLM(folder, device="cuda", dtype="float32") as llm:

@@ -131,6 +131,41 @@ class ModelConfig:
         )
 
 
+@dataclass(frozen=True)
+class TPShard:
+    """The sizes one tensor-parallel rank holds: its heads, MLP columns and vocabulary rows."""
+
+    rank: int
+    size: int
+    num_heads: int
+    num_kv_heads: int  # KV heads are replicated when size > num_key_value_heads
+    kv_head_start: int  # the first KV head this rank holds
+    intermediate_size: int
+    moe_intermediate_size: int
+    vocab_start: int
+    vocab_size: int  # rows held; the last rank's may run past the vocabulary (padding)
+
+    @classmethod
+    def whole(cls, config: ModelConfig) -> TPShard:
+        return cls.of(config, 0, 1)
+
+    @classmethod
+    def of(cls, config: ModelConfig, rank: int, size: int) -> TPShard:
+        per_rank_vocab = -(-config.vocab_size // size)
+        return cls(
+            rank=rank,
+            size=size,
+            num_heads=config.num_attention_heads // size,
+            num_kv_heads=max(1, config.num_key_value_heads // size),
+            # size > KV heads: ranks rank * kv // size share one head (the q heads it serves)
+            kv_head_start=rank * config.num_key_value_heads // size,
+            intermediate_size=config.intermediate_size // size,
+            moe_intermediate_size=config.moe_intermediate_size // size,
+            vocab_start=rank * per_rank_vocab,
+            vocab_size=per_rank_vocab,
+        )
+
+
 @dataclass
 class ParallelConfig:
     """Sizes of the three parallel axes; their product is the number of processes."""

@@ -17,6 +17,9 @@ class LLM:
 
     model: a Hugging Face folder, a .gguf file, or None for the built-in SmolLM2-135M-Instruct.
     device: "cpu", "cuda", "cuda:N" or "auto"; dtype: float32, bfloat16, float16 or auto.
+    tp: tensor-parallel ranks, started by this call (gloo on CPU, NCCL on CUDA) or, under
+    torchrun, the launched world; allreduce: auto, torch, one_shot or two_shot; timeout_s:
+    how long a collective may wait before a dead or hung rank ends the run with an error.
     Further keyword arguments set EngineConfig fields (block_size, num_blocks,
     max_model_len, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, ...).
     """
@@ -29,13 +32,24 @@ class LLM:
         tp: int = 1,
         cp: int = 1,
         ep: int = 1,
+        allreduce: str = "auto",
+        timeout_s: float = 60.0,
         show_progress: bool = False,
         **engine_kwargs,
     ):
         self.parallel_config = ParallelConfig(tp=tp, cp=cp, ep=ep)
-        if self.parallel_config.world_size > 1 or ep > 1:
-            raise NotImplementedError("tp, cp and ep above 1 are not available yet in this version")
-        self.engine = LLMEngine(model, device, dtype, EngineConfig(**engine_kwargs), show_progress)
+        if cp > 1 or ep > 1:
+            raise NotImplementedError("context and expert parallelism (cp, ep > 1) are not available yet")
+        self.engine = LLMEngine(
+            model,
+            device,
+            dtype,
+            EngineConfig(**engine_kwargs),
+            show_progress,
+            parallel=self.parallel_config,
+            allreduce=allreduce,
+            timeout_s=timeout_s,
+        )
 
     @property
     def tokenizer(self):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringserve.config import ModelConfig
+from ringserve.config import ModelConfig, TPShard
 
 
 class ForwardContext(Protocol):
@@ -85,11 +85,11 @@ def apply_rotary(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, shard: TPShard):
         super().__init__()
         self.layer = layer
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
         hidden, bias = config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
@@ -126,6 +126,27 @@ class MLP(nn.Module):
         return ctx.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
+class VocabParallelEmbedding(nn.Module):
+    """The embedding rows vocab_start .. vocab_start + num_local - 1 (all of them on one rank).
+
+    Ids outside the range look up zeros, so the sum over tensor-parallel ranks is the lookup.
+    """
+
+    def __init__(self, num_local: int, dim: int, vocab_start: int, vocab_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_local, dim))
+        self.vocab_start = vocab_start
+        self.whole = vocab_start == 0 and num_local >= vocab_size
+
+    def forward(self, input_ids, ctx: ForwardContext):
+        if self.whole:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return ctx.all_reduce(x * inside.unsqueeze(-1).to(x.dtype))
+
+
 class Experts(nn.Module):
     """The experts of one MoE layer, stacked: expert e's weights are gate_proj[e] etc."""
 
@@ -156,13 +177,13 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router (softmax, top-k, optional renormalisation) and experts; exact, no capacity limit."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: TPShard):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.num_experts = config.num_experts
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts = Experts(config.num_experts, config.hidden_size, shard.moe_intermediate_size)
 
     def route(self, x):
         """-> (expert ids [T, k], weights [T, k]) for each token."""
@@ -185,13 +206,13 @@ class SparseMoeBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, shard: TPShard):
         super().__init__()
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, shard)
         if config.layer_is_sparse(layer):
-            self.mlp = SparseMoeBlock(config)
+            self.mlp = SparseMoeBlock(config, shard)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+            self.mlp = MLP(config.hidden_size, shard.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -201,33 +222,41 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: TPShard):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(
+            shard.vocab_size, config.hidden_size, shard.vocab_start, config.vocab_size
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shard) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
 
 class Transformer(nn.Module):
-    """Causal LM: `forward` gives final hidden states, `compute_logits` the vocabulary scores."""
+    """Causal LM: `forward` gives final hidden states, `compute_logits` the vocabulary scores.
 
-    def __init__(self, config: ModelConfig):
+    shard: this rank's part of a tensor-parallel model (its heads, MLP columns and
+    vocabulary rows); the default is the whole model.
+    """
+
+    def __init__(self, config: ModelConfig, shard: TPShard | None = None):
         super().__init__()
+        shard = shard or TPShard.whole(config)
         self.config = config
-        self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.shard = shard
+        self.model = Backbone(config, shard)
+        self.lm_head = nn.Linear(config.hidden_size, shard.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         """input_ids, positions [T] -> hidden states [T, H]."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids, ctx)
         rope = self.model.rotary_emb(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, rope, ctx)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, V] float32."""
+        """[N, H] -> [N, V_local] float32: this rank's vocabulary rows (all of them on one rank)."""
         return self.lm_head(hidden).float()

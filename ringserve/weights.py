@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 from safetensors import safe_open
 
-from ringserve.config import ModelConfig
+from ringserve.config import ModelConfig, TPShard
 from ringserve.errors import ModelLoadError
 from ringserve.model import Experts, Transformer
 
@@ -58,6 +58,10 @@ class ShardPlan:
         """A tuple of slices into the on-disk tensor, or None for all of it."""
         return None
 
+    def pads(self, param_name: str) -> bool:
+        """Whether the parameter may hold more rows than its slice (zero padding)."""
+        return False
+
 
 def checkpoint_files(folder: str) -> list[str]:
     """The safetensors files of a model folder: one file, or the shards its index names."""
@@ -90,10 +94,12 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Transformer:
+def build_model(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, shard: TPShard | None = None
+) -> Transformer:
     """The model's modules with uninitialised storage on `device` (no weights read yet)."""
     with _default_dtype(dtype), torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(config, shard)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives each module its own storage: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -163,6 +169,14 @@ def load_weights(
             tensor = read(lambda shape, param_name=param_name: plan.local_slice(param_name, shape))
         except Exception as e:
             raise ModelLoadError(f"cannot read tensor {name} from {origin} (truncated file?): {e}") from e
+        if (
+            plan.pads(param_name)
+            and tensor.shape[0] < target.shape[0]
+            and tensor.shape[1:] == target.shape[1:]
+        ):
+            # The last rank's vocabulary rows run past the vocabulary: zero the padding.
+            target[tensor.shape[0] :].zero_()
+            target = target[: tensor.shape[0]]
         if tuple(tensor.shape) != tuple(target.shape):
             raise ModelLoadError(
                 f"tensor {name} in {origin} has shape {tuple(tensor.shape)}, "
@@ -201,7 +215,8 @@ def load_model(
     plan: ShardPlan | None = None,
     show_progress: bool = False,
     tensors: Mapping[str, torch.Tensor] | None = None,
+    shard: TPShard | None = None,
 ) -> Transformer:
-    model = build_model(config, device, dtype)
+    model = build_model(config, device, dtype, shard)
     load_weights(model, folder, plan, show_progress, tensors)
     return model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ringserve.engine.runner import StepInput
 from ringserve.engine.scheduler import ScheduledBatch
 from ringserve.engine.sequence import Sequence
 from ringserve.sampling_params import SamplingParams
@@ -18,7 +19,8 @@ def engine_logits(engine, token_ids: list[int], prefill: int) -> torch.Tensor:
     for n in steps:
         seq.prompt_token_ids = token_ids[: seq.num_computed_tokens + n]
         assert engine.block_manager.allocate(seq, n)
-        rows.append(engine.runner.forward(ScheduledBatch([seq], [n]), all_logits=True))
+        step = StepInput.from_batch(ScheduledBatch([seq], [n]))
+        rows.append(engine.executor.execute(step, all_logits=True))
         seq.num_computed_tokens += n
     engine.block_manager.free(seq)
     return torch.cat(rows)

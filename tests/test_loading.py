@@ -30,7 +30,7 @@ def test_bfloat16_close_to_float32(tiny_model_dir):
     tokens = list(range(1, 25))
     full = engine_logits(LLMEngine(folder, device="cpu", dtype="float32"), tokens, prefill=20)
     engine = LLMEngine(folder, device="cpu", dtype="bfloat16")
-    assert engine.model.lm_head.weight.dtype == torch.bfloat16
+    assert engine.executor.worker.model.lm_head.weight.dtype == torch.bfloat16
     half = engine_logits(engine, tokens, prefill=20)
     assert (half - full).norm() / full.norm() < 3e-2
 

@@ -14,24 +14,27 @@ from collections.abc import Mapping
 
 import torch
 
-from ringserve.config import EngineConfig, ModelConfig, resolve_dtype
+from ringserve.config import EngineConfig, ModelConfig, ParallelConfig, resolve_dtype
 from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.detokenizer import IncrementalDetokenizer
-from ringserve.engine.kv_cache import KVCache
-from ringserve.engine.runner import ModelRunner
+from ringserve.engine.executor import (
+    LocalExecutor,
+    MultiprocessExecutor,
+    WorkerSpec,
+    run_torchrun_rank,
+    torchrun_env,
+)
+from ringserve.engine.runner import StepInput
 from ringserve.engine.sampler import sample
 from ringserve.engine.scheduler import Scheduler
 from ringserve.engine.sequence import Sequence
 from ringserve.errors import ModelLoadError, RequestError
 from ringserve.gguf_import import builtin_model_path, converted_folder
 from ringserve.outputs import RequestOutput
+from ringserve.parallel.tp import validate_tp
 from ringserve.sampling_params import SamplingParams
-from ringserve.weights import load_model
 
 logger = logging.getLogger(__name__)
-
-_CPU_KV_CACHE_BYTES = 1 << 30
-_GPU_ACTIVATION_RESERVE = 4 << 30
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -66,70 +69,63 @@ class LLMEngine:
         engine_config: EngineConfig | None = None,
         show_progress: bool = False,
         weights: Mapping[str, torch.Tensor] | None = None,
+        parallel: ParallelConfig | None = None,
+        allreduce: str = "auto",
+        timeout_s: float = 60.0,
     ):
         """weights: tensors by Hugging Face name to use instead of the folder's files (the
-        folder still gives config and tokenizer), e.g. a transformers model's state_dict."""
+        folder still gives config and tokenizer), e.g. a transformers model's state_dict.
+        parallel: tp x cp ranks (started here, or joined under torchrun); timeout_s bounds
+        every collective, so a rank that dies or hangs ends the run with an error."""
         self.engine_config = ec = engine_config or EngineConfig()
+        self.parallel = parallel = parallel or ParallelConfig()
         self.model_path = resolve_model_path(model)
         self.device = resolve_device(device)
         self.model_config = config = ModelConfig.from_pretrained(self.model_path)
+        if parallel.tp > 1:
+            validate_tp(config, parallel.tp)  # before any process starts or weight is read
         self.dtype = resolve_dtype(dtype, config.dtype, self.device)
+        self.max_model_len = ec.max_model_len or config.max_position_embeddings
+        spec = WorkerSpec(
+            self.model_path,
+            config,
+            self.dtype,
+            ec,
+            self.max_model_len,
+            parallel,
+            self.device.type,
+            allreduce,
+            timeout_s,
+        )
+        if parallel.world_size > 1 or torchrun_env() is not None:
+            if weights is not None:
+                raise ValueError("in-memory weights are only supported on one rank")
+            env = torchrun_env()
+            if env is not None and env[0] != 0:
+                run_torchrun_rank(spec)  # serves rank 0's steps, then ends this process
+            self.executor = MultiprocessExecutor(spec, show_progress)
+        else:
+            self.executor = LocalExecutor(spec, self.device, show_progress, weights)
         self.tokenizer = _load_tokenizer(self.model_path)
         self.eos_token_ids = _eos_token_ids(self.model_path, config, self.tokenizer)
-        self.model = load_model(
-            config, self.model_path, self.device, self.dtype, show_progress=show_progress, tensors=weights
-        )
-        self.max_model_len = ec.max_model_len or config.max_position_embeddings
-        num_blocks = self._num_blocks()
-        self.kv_cache = KVCache(
-            config.num_hidden_layers,
-            num_blocks,
-            ec.block_size,
-            config.num_key_value_heads,
-            config.head_dim,
-            self.dtype,
-            self.device,
-        )
+        num_blocks = self.executor.num_blocks
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.seqs: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits are not)
         logger.info(
-            "model %s (%s) on %s in %s; KV cache %d blocks of %d tokens (%.1f MiB)",
+            "model %s (%s) on %s in %s, tp=%d cp=%d; KV cache %d blocks of %d tokens",
             self.model_path,
             config.architecture,
             self.device,
             self.dtype,
+            parallel.tp,
+            parallel.cp,
             num_blocks,
             ec.block_size,
-            self.kv_cache.nbytes / 2**20,
         )
-
-    def _num_blocks(self) -> int:
-        ec, c = self.engine_config, self.model_config
-        per_block = KVCache.bytes_per_block(
-            c.num_hidden_layers, ec.block_size, c.num_key_value_heads, c.head_dim, self.dtype
-        )
-        if ec.num_blocks is not None:
-            num_blocks = ec.num_blocks
-        else:
-            budget = ec.kv_cache_memory
-            if budget is None and self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int((free - _GPU_ACTIVATION_RESERVE) * ec.gpu_memory_utilization)
-            elif budget is None:
-                budget = _CPU_KV_CACHE_BYTES
-            # No use for more blocks than every sequence at full length can fill.
-            most = ec.max_num_seqs * -(-self.max_model_len // ec.block_size)
-            num_blocks = min(budget // per_block, most)
-        if num_blocks * ec.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * ec.block_size} tokens ({num_blocks} blocks), fewer "
-                f"than max_model_len={self.max_model_len}: give it more memory or blocks, or lower max_model_len"
-            )
-        return num_blocks
 
     # Requests -------------------------------------------------------------------------
 
@@ -204,7 +200,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        logits = self.runner.forward(batch)
+        logits = self.executor.execute(StepInput.from_batch(batch))
+        self.num_computed_tokens += sum(batch.num_tokens)
         sampling = []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
@@ -260,18 +257,15 @@ class LLMEngine:
     # Statistics -----------------------------------------------------------------------
 
     @property
-    def num_computed_tokens(self) -> int:
-        """Tokens run through the model since start (prefix-cache hits are not counted)."""
-        return self.runner.num_forward_tokens
-
-    @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
     def close(self) -> None:
         for request_id in list(self.seqs):
             self.abort(request_id)
-        self.model = self.runner = self.kv_cache = None
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -6,6 +6,7 @@ in slot block_table[t // block_size] * block_size + t % block_size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ class PagedAttentionContext:
     context_slots: torch.Tensor  # [Tk] cache slots of every sequence's whole context, packed
     batch: VarlenBatch
     scale: float
+    tp_all_reduce: Callable[[torch.Tensor], torch.Tensor]  # the sum over tensor-parallel ranks
 
     def attend(self, layer: int, q, k, v):
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
@@ -58,4 +60,4 @@ class PagedAttentionContext:
         return out
 
     def all_reduce(self, x):
-        return x
+        return self.tp_all_reduce(x)

@@ -1,0 +1,254 @@
+"""Where the model runs: in this process, or on a world of tp x cp ranks driven by rank 0.
+
+With several ranks, rank 0 (this process) schedules and samples; every step it sends the
+StepInput to all ranks over a gloo control group and runs its own shard. The other local
+ranks are started here (forkserver processes, torch preloaded); under torchrun every rank
+was started by torchrun and the non-zero ranks serve steps inside `LLM(...)` until rank 0
+closes, then exit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ringserve.config import EngineConfig, ModelConfig, ParallelConfig
+from ringserve.engine.runner import StepInput
+from ringserve.engine.worker import Worker
+from ringserve.errors import RingserveError
+from ringserve.parallel.comm import broadcast_object
+from ringserve.parallel.local_world import free_port
+from ringserve.parallel.mesh import ParallelGroups, init_groups
+
+logger = logging.getLogger(__name__)
+
+# Workers wait on the control group between requests for as long as the server idles.
+_CONTROL_TIMEOUT = datetime.timedelta(days=7)
+
+
+class WorkerError(RingserveError):
+    """A rank died, failed or stopped answering; the whole world has been shut down."""
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a rank needs to build its share of the model (sent to every rank)."""
+
+    model_path: str
+    config: ModelConfig
+    dtype: torch.dtype
+    engine_config: EngineConfig
+    max_model_len: int
+    parallel: ParallelConfig
+    device_type: str
+    allreduce: str = "auto"
+    timeout_s: float = 60.0
+    extra: dict = field(default_factory=dict)
+
+    def device(self, local_rank: int) -> torch.device:
+        return torch.device(f"cuda:{local_rank}") if self.device_type == "cuda" else torch.device("cpu")
+
+    def build_worker(self, groups: ParallelGroups, show_progress: bool = False, weights=None) -> Worker:
+        return Worker(
+            self.model_path,
+            self.config,
+            self.dtype,
+            self.engine_config,
+            self.max_model_len,
+            groups,
+            self.allreduce,
+            weights=weights,
+            show_progress=show_progress,
+        )
+
+
+class LocalExecutor:
+    """One rank: the worker lives in this process."""
+
+    def __init__(self, spec: WorkerSpec, device: torch.device, show_progress: bool, weights=None):
+        self.worker = spec.build_worker(ParallelGroups.single(device), show_progress, weights)
+        self.num_blocks = self.worker.num_blocks
+
+    def execute(self, step: StepInput, all_logits: bool = False) -> torch.Tensor:
+        return self.worker.execute(step, all_logits)
+
+    def close(self) -> None:
+        self.worker = None
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when launched by torchrun, else None."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ):
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    return None
+
+
+def _join(spec: WorkerSpec, rank: int, world_size: int, local_rank: int, init_method: str) -> ParallelGroups:
+    groups = init_groups(
+        spec.parallel, rank, world_size, spec.device(local_rank), init_method, spec.timeout_s
+    )
+    groups.control_group = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    return groups
+
+
+def serve_steps(worker: Worker, groups: ParallelGroups) -> None:
+    """A non-zero rank's life: run every step rank 0 sends, until it says stop."""
+    while True:
+        kind, *payload = broadcast_object(None, src=0, group=groups.control_group)
+        if kind == "stop":
+            return
+        worker.execute(*payload)
+
+
+def run_torchrun_rank(spec: WorkerSpec) -> None:
+    """Entry of a non-zero torchrun rank: serve rank 0, then end the process."""
+    rank, world_size, local_rank = torchrun_env()
+    groups = _join(spec, rank, world_size, local_rank, "env://")
+    serve_steps(spec.build_worker(groups), groups)
+    dist.destroy_process_group()
+    sys.exit(0)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """End this rank when rank 0's process is gone (no orphans)."""
+    while True:
+        try:
+            os.kill(parent_pid, 0)
+        except OSError:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def _child_main(
+    rank: int, world_size: int, init_method: str, spec: WorkerSpec, parent_pid: int, errors
+) -> None:
+    if spec.device_type == "cpu":
+        torch.set_num_threads(1)  # several ranks share the host's cores
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        groups = _join(spec, rank, world_size, rank, init_method)
+        serve_steps(spec.build_worker(groups), groups)
+        dist.destroy_process_group()
+    except BaseException as e:
+        errors.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        os._exit(1)
+    os._exit(0)
+
+
+class MultiprocessExecutor:
+    """Rank 0's side of a tp x cp world."""
+
+    def __init__(self, spec: WorkerSpec, show_progress: bool):
+        self.spec = spec
+        self.procs: list = []
+        self.errors = None
+        self.closed = False
+        env = torchrun_env()
+        try:
+            if env is not None:
+                rank, world_size, local_rank = env
+                assert rank == 0, "non-zero torchrun ranks serve steps and never build an executor"
+                groups = _join(spec, 0, world_size, local_rank, "env://")
+            else:
+                world_size = spec.parallel.world_size
+                init_method = f"tcp://127.0.0.1:{free_port()}"
+                self._start_children(world_size, init_method)
+                groups = _join(spec, 0, world_size, 0, init_method)
+            self.groups = groups
+            self.worker = spec.build_worker(groups, show_progress)
+        except Exception as e:
+            self._fail(e, "while starting")
+        self.num_blocks = self.worker.num_blocks
+
+    def _start_children(self, world_size: int, init_method: str) -> None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "ringserve.engine.executor"])
+        self.errors = ctx.SimpleQueue()
+        for rank in range(1, world_size):
+            proc = ctx.Process(
+                target=_child_main,
+                args=(rank, world_size, init_method, self.spec, os.getpid(), self.errors),
+                name=f"ringserve-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            self.procs.append(proc)
+
+    def _send(self, message) -> None:
+        broadcast_object(message, src=0, group=self.groups.control_group, timeout_s=self.spec.timeout_s)
+
+    def execute(self, step: StepInput, all_logits: bool = False) -> torch.Tensor:
+        if self.closed:
+            raise WorkerError("the parallel workers have been shut down")
+        try:
+            self._send(("step", step, all_logits))
+            return self.worker.execute(step, all_logits)
+        except Exception as e:
+            self._fail(e, "during a step")
+
+    def _fail(self, cause: Exception, when: str):
+        """Explain which rank failed, stop every rank, and raise WorkerError."""
+        deadline = time.monotonic() + 2.0
+        while self.procs and time.monotonic() < deadline and all(p.is_alive() for p in self.procs):
+            time.sleep(0.05)  # give a failing rank a moment to report or exit
+        reports = {}
+        while self.errors is not None and not self.errors.empty():
+            rank, message, _ = self.errors.get()
+            reports[rank] = message
+        # A rank that times out waiting for another is a victim, not the cause.
+        errors = {r: m for r, m in reports.items() if "timed out" not in m.lower()}
+        dead, silent = [], []
+        for rank, proc in enumerate(self.procs, start=1):
+            code = proc.exitcode
+            if proc.is_alive() and rank not in reports:
+                silent.append(
+                    f"rank {rank} (pid {proc.pid}) did not answer within {self.spec.timeout_s:.0f} s"
+                )
+            elif code and rank not in reports:
+                how = (
+                    f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                )
+                dead.append(f"rank {rank} (pid {proc.pid}) {how}")
+        reasons = dead + [f"rank {r} failed: {m}" for r, m in sorted(errors.items())]
+        if not reasons and "timed out" in str(cause).lower():
+            reasons = silent
+        if not reasons:
+            reasons = [f"{type(cause).__name__}: {cause}"]
+        self._shutdown(graceful=False)
+        raise WorkerError(f"parallel run stopped {when}: " + "; ".join(reasons)) from cause
+
+    def _shutdown(self, graceful: bool) -> None:
+        self.closed = True
+        if graceful:
+            try:
+                self._send(("stop",))
+            except Exception:
+                graceful = False
+        for proc in self.procs:
+            proc.join(timeout=5 if graceful else 0.5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # a broken world may not tear down cleanly; the processes are gone
+            pass
+
+    def close(self) -> None:
+        if not self.closed:
+            self._shutdown(graceful=True)

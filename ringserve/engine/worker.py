@@ -1,0 +1,100 @@
+"""One rank's share of the model: its weights, its KV cache, and the runner over them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from ringserve.config import EngineConfig, ModelConfig, TPShard
+from ringserve.engine.kv_cache import KVCache
+from ringserve.engine.runner import ModelRunner, StepInput
+from ringserve.parallel.allreduce import AllReduce
+from ringserve.parallel.mesh import ParallelGroups
+from ringserve.parallel.tp import TensorParallelPlan, validate_tp
+from ringserve.weights import load_model
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_CACHE_BYTES = 1 << 30
+_GPU_ACTIVATION_RESERVE = 4 << 30
+
+
+class Worker:
+    def __init__(
+        self,
+        model_path: str,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        engine_config: EngineConfig,
+        max_model_len: int,
+        groups: ParallelGroups,
+        allreduce: str = "auto",
+        weights: Mapping[str, torch.Tensor] | None = None,
+        show_progress: bool = False,
+    ):
+        self.groups = groups
+        self.device = groups.device
+        validate_tp(config, groups.tp_size)
+        shard = TPShard.of(config, groups.tp_rank, groups.tp_size)
+        plan = TensorParallelPlan(config, shard) if groups.tp_size > 1 else None
+        self.model = load_model(
+            config,
+            model_path,
+            self.device,
+            dtype,
+            plan=plan,
+            show_progress=show_progress and groups.rank == 0,
+            tensors=weights,
+            shard=shard,
+        )
+        self.all_reduce = AllReduce(groups.tp_group, allreduce, self.device)
+        ec = engine_config
+        self.num_blocks = self._num_blocks(config, shard, dtype, ec, max_model_len)
+        self.kv_cache = KVCache(
+            config.num_hidden_layers,
+            self.num_blocks,
+            ec.block_size,
+            shard.num_kv_heads,
+            config.head_dim,
+            dtype,
+            self.device,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.all_reduce, groups.tp_group)
+
+    def _num_blocks(self, config, shard, dtype, ec: EngineConfig, max_model_len: int) -> int:
+        """Blocks from the memory budget; every rank takes the smallest so block ids agree."""
+        per_block = KVCache.bytes_per_block(
+            config.num_hidden_layers, ec.block_size, shard.num_kv_heads, config.head_dim, dtype
+        )
+        if ec.num_blocks is not None:
+            num_blocks = ec.num_blocks
+        else:
+            budget = ec.kv_cache_memory
+            if budget is None and self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int((free - _GPU_ACTIVATION_RESERVE) * ec.gpu_memory_utilization)
+            elif budget is None:
+                budget = _CPU_KV_CACHE_BYTES
+            # No use for more blocks than every sequence at full length can fill.
+            most = ec.max_num_seqs * -(-max_model_len // ec.block_size)
+            num_blocks = max(0, min(budget // per_block, most))
+        if self.groups.world_size > 1:
+            agreed = torch.tensor([num_blocks], dtype=torch.int64)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.groups.control_group)
+            num_blocks = int(agreed.item())
+        if num_blocks * ec.block_size < max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * ec.block_size} tokens ({num_blocks} blocks), fewer "
+                f"than max_model_len={max_model_len}: give it more memory or blocks, or lower max_model_len"
+            )
+        return num_blocks
+
+    def execute(self, step: StepInput, all_logits: bool = False) -> torch.Tensor:
+        return self.runner.forward(step, all_logits)
+
+    @property
+    def resident_parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())

@@ -1,0 +1,1 @@
+"""Parallel axes: each takes explicit process groups from one mesh (mesh.py)."""

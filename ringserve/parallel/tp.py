@@ -1,0 +1,66 @@
+"""Tensor parallelism: which slice of each weight a rank holds.
+
+Column-parallel (output rows split): q/k/v, gate/up (and each expert's), the vocabulary
+of the embedding and LM head. Row-parallel (input columns split): o_proj and down_proj,
+whose partial outputs the model sums with `ctx.all_reduce`. Norms and the MoE router are
+replicated. When tp exceeds the KV heads, each KV head is replicated on the ranks whose
+query heads use it.
+"""
+
+from __future__ import annotations
+
+from ringserve.config import ModelConfig, TPShard
+from ringserve.weights import ShardPlan
+
+
+def validate_tp(config: ModelConfig, tp: int) -> None:
+    """Raise before any weight is read if the model cannot be split tp ways."""
+    problems = []
+    if config.num_attention_heads % tp:
+        problems.append(f"num_attention_heads={config.num_attention_heads}")
+    nkv = config.num_key_value_heads
+    if nkv % tp and tp % nkv:
+        problems.append(f"num_key_value_heads={nkv} (neither divides the other)")
+    if config.intermediate_size % tp:
+        problems.append(f"intermediate_size={config.intermediate_size}")
+    if config.is_moe and config.moe_intermediate_size % tp:
+        problems.append(f"moe_intermediate_size={config.moe_intermediate_size}")
+    if problems:
+        raise ValueError(
+            f"cannot split {config.architecture} over tp={tp} ranks: {', '.join(problems)} "
+            f"not divisible by {tp}"
+        )
+
+
+class TensorParallelPlan(ShardPlan):
+    def __init__(self, config: ModelConfig, shard: TPShard):
+        self.shard = shard
+        self.head_dim = config.head_dim
+        self.vocab_size = config.vocab_size
+
+    def _rows(self, start: int, count: int, unit: int = 1) -> slice:
+        return slice(start * unit, (start + count) * unit)
+
+    def local_slice(self, param_name: str, full_shape: tuple[int, ...]):
+        s, d = self.shard, self.head_dim
+        if param_name.endswith(("q_proj.weight", "q_proj.bias")):
+            return (self._rows(s.rank * s.num_heads, s.num_heads, d),)
+        if param_name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+            return (self._rows(s.kv_head_start, s.num_kv_heads, d),)
+        if param_name.endswith("o_proj.weight"):
+            return (slice(None), self._rows(s.rank * s.num_heads, s.num_heads, d))
+        if param_name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            return (self._rows(s.rank * s.intermediate_size, s.intermediate_size),)
+        if param_name.endswith("mlp.down_proj.weight"):
+            return (slice(None), self._rows(s.rank * s.intermediate_size, s.intermediate_size))
+        # Stacked experts: the plan sees one expert's on-disk [I, H] or [H, I] tensor.
+        if param_name.endswith(("experts.gate_proj", "experts.up_proj")):
+            return (self._rows(s.rank * s.moe_intermediate_size, s.moe_intermediate_size),)
+        if param_name.endswith("experts.down_proj"):
+            return (slice(None), self._rows(s.rank * s.moe_intermediate_size, s.moe_intermediate_size))
+        if param_name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            return (slice(s.vocab_start, min(s.vocab_start + s.vocab_size, self.vocab_size)),)
+        return None
+
+    def pads(self, param_name: str) -> bool:
+        return param_name.endswith(("embed_tokens.weight", "lm_head.weight"))

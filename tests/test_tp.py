@@ -1,0 +1,97 @@
+"""Tensor parallelism on gloo ranks: tokens and logits equal the single-rank result (which
+the model tests check against transformers) and transformers' own greedy tokens."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from ringserve import LLM, SamplingParams
+from ringserve.engine.executor import WorkerError
+
+from conftest import hf_model
+from helpers import engine_logits, hf_greedy
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], list(range(10, 41)), [200, 1, 77]]
+
+
+def single_rank(folder):
+    with LLM(folder, device="cpu", dtype="float32") as llm:
+        tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        logits = engine_logits(llm.engine, list(range(3, 30)), prefill=20)
+    return tokens, logits
+
+
+# llama: 4 query / 2 KV heads, so tp=4 replicates each KV head on two ranks; tied embeddings.
+@pytest.mark.parametrize(
+    "arch,tp", [("llama", 2), ("llama", 4), ("qwen3", 2), ("mixtral", 2), ("qwen3_moe", 4)]
+)
+def test_tp_equals_single_rank_and_transformers(arch, tp, tiny_model_dir):
+    folder = tiny_model_dir(arch)
+    ref_tokens, ref_logits = single_rank(folder)
+    with LLM(folder, device="cpu", dtype="float32", tp=tp, timeout_s=60) as llm:
+        tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        logits = engine_logits(llm.engine, list(range(3, 30)), prefill=20)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    hf = hf_model(folder)
+    assert tokens[0] == hf_greedy(hf, PROMPTS[0], 16)
+
+
+def test_each_rank_holds_its_share_of_the_weights(tiny_model_dir):
+    folder = tiny_model_dir("mixtral")
+    with LLM(folder, device="cpu", dtype="float32") as llm:
+        model = llm.engine.executor.worker.model
+        params = dict(model.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    replicated = sum(p.numel() for n, p in params.items() if "norm" in n or n.endswith("mlp.gate.weight"))
+    kv = sum(p.numel() for n, p in params.items() if "k_proj" in n or "v_proj" in n)
+    num_kv_heads = model.config.num_key_value_heads  # 2
+    for tp in (2, 4):
+        with LLM(folder, device="cpu", dtype="float32", tp=tp) as llm:
+            held = sum(p.numel() for p in llm.engine.executor.worker.model.parameters())
+        # 1/tp of the sharded weights, the replicated ones whole, and KV heads split at most
+        # num_kv_heads ways (at tp=4 each of the 2 KV heads sits on two ranks).
+        expected = (total - replicated - kv) // tp + replicated + kv // min(tp, num_kv_heads)
+        assert held == expected
+        assert held < total / tp * 1.2
+
+
+def test_heads_not_divisible_fail_before_loading(tmp_path, tiny_model_dir):
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"num_attention_heads=4.*not divisible by 3"):
+        LLM(tiny_model_dir("llama"), device="cpu", tp=3)
+    assert time.monotonic() - started < 5  # no process was started, no weight read
+
+
+def _children(llm):
+    return llm.engine.executor.procs
+
+
+def test_killed_rank_ends_the_run_with_an_error(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama"), device="cpu", dtype="float32", tp=2, timeout_s=10)
+    (child,) = _children(llm)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(5)
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=rf"rank 1 \(pid {child.pid}\) was killed by SIGKILL"):
+        llm.generate(PROMPTS, GREEDY)
+    assert time.monotonic() - started < 10
+    with pytest.raises(WorkerError, match="shut down"):
+        llm.generate(PROMPTS, GREEDY)
+    llm.close()
+
+
+def test_hung_rank_times_out_and_no_process_remains(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama"), device="cpu", dtype="float32", tp=4, timeout_s=5)
+    children = _children(llm)
+    os.kill(children[1].pid, signal.SIGSTOP)  # rank 2 stops answering
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=rf"rank 2 \(pid {children[1].pid}\) did not answer within 5 s"):
+        llm.generate(PROMPTS, GREEDY)
+    assert time.monotonic() - started < 5 + 15
+    assert not any(c.is_alive() for c in children)
+    llm.close()

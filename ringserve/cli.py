@@ -23,6 +23,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks")
     p.add_argument(
+        "--allreduce",
+        default="auto",
+        choices=["auto", "torch", "one_shot", "two_shot"],
+        help="tensor-parallel allreduce: auto picks by message size from `ringserve bench allreduce`",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds a collective may wait before a dead or hung rank stops the run",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -69,6 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="raw completion: do not wrap the prompt in the model's chat template",
     )
     _add_model_args(gen)
+
+    bench = sub.add_parser("bench", help="measure this machine (results feed the engine's choices)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    ar = bench_sub.add_parser(
+        "allreduce",
+        help="time the allreduce backends per message size and store auto's thresholds",
+        description="Starts N local ranks, times torch / one_shot / two_shot allreduce for each "
+        "message size, prints the table and stores the thresholds `--allreduce auto` uses.",
+    )
+    ar.add_argument("--world-size", type=int, default=2, help="ranks (GPUs, or CPU processes)")
+    ar.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    ar.add_argument("--sizes", type=int, nargs="+", default=None, help="message sizes in bytes")
+    ar.add_argument("--iters", type=int, default=20, help="timed repetitions per size")
+    ar.add_argument("--no-save", action="store_true", help="print only; keep the stored thresholds")
     return parser
 
 
@@ -100,8 +126,10 @@ def _generate(args) -> int:
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
+            allreduce=args.allreduce,
+            timeout_s=args.timeout,
         )
-    except (RingserveError, ValueError, NotImplementedError) as e:
+    except (RingserveError, ValueError, NotImplementedError, MemoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with llm:
@@ -147,10 +175,24 @@ def _generate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    level = {0: logging.WARNING, 1: logging.INFO}.get(getattr(args, "verbose", 0), logging.DEBUG)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return _generate(args)
+    if args.command == "bench" and args.bench == "allreduce":
+        import torch
+
+        from ringserve.parallel import allreduce_bench
+
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        allreduce_bench.run(
+            args.world_size,
+            device,
+            args.sizes or allreduce_bench.DEFAULT_SIZES[:6],
+            args.iters,
+            save=not args.no_save,
+        )
+        return 0
     return 1
 
 

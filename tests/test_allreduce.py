@@ -56,3 +56,47 @@ def test_default_thresholds_follow_published_figures():
 def test_unknown_backend():
     with pytest.raises(ValueError, match="unknown allreduce backend"):
         AllReduce(None, "ring")
+
+
+def test_thresholds_from_measured_latency():
+    from ringserve.parallel.allreduce_bench import thresholds_from
+
+    sizes = [1, 2, 3, 4, 5]
+    fastest = {1: "one_shot", 2: "one_shot", 3: "two_shot", 4: "one_shot", 5: "torch"}
+    latency = {
+        (n, a): (1.0 if a == fastest[n] else 2.0) for n in sizes for a in ("torch", "one_shot", "two_shot")
+    }
+    assert thresholds_from(latency, sizes) == {"one_shot_max_bytes": 2, "two_shot_max_bytes": 4}
+    fastest[1] = "torch"
+    latency = {
+        (n, a): (1.0 if a == fastest[n] else 2.0) for n in sizes for a in ("torch", "one_shot", "two_shot")
+    }
+    assert thresholds_from(latency, sizes) == {"one_shot_max_bytes": 0, "two_shot_max_bytes": 0}
+
+
+def test_bench_allreduce_command_stores_thresholds(tmp_path, monkeypatch, capsys):
+    from ringserve.cli import main
+
+    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))
+    assert (
+        main(
+            [
+                "bench",
+                "allreduce",
+                "--world-size",
+                "2",
+                "--device",
+                "cpu",
+                "--sizes",
+                "1024",
+                "65536",
+                "--iters",
+                "2",
+            ]
+        )
+        == 0
+    )
+    assert "auto thresholds" in capsys.readouterr().out
+    stored = load_thresholds("cpu", 2)
+    assert set(stored) == {"one_shot_max_bytes", "two_shot_max_bytes"}
+    assert (tmp_path / "allreduce_thresholds.json").is_file()

@@ -95,3 +95,45 @@ def test_hung_rank_times_out_and_no_process_remains(tiny_model_dir):
     assert time.monotonic() - started < 5 + 15
     assert not any(c.is_alive() for c in children)
     llm.close()
+
+
+def test_torchrun_world_runs_the_cli(tmp_path):
+    """Under torchrun every rank joins the launched world: the built-in model (9 heads,
+    3 KV heads) at tp=3, rank 0 printing the answer."""
+    import subprocess
+    import sys
+
+    from ringserve.parallel.local_world import free_port
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "3",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "ringserve.cli",
+        "generate",
+        "What is the capital of France?",
+        "--tp",
+        "3",
+        "--device",
+        "cpu",
+        "--max-tokens",
+        "16",
+        "--timeout",
+        "60",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Paris" in done.stdout
+    assert done.stdout.count("prompt tokens:") == 1  # only rank 0 reports
+
+
+def test_cli_reports_indivisible_heads(capsys):
+    from ringserve.cli import main
+
+    assert main(["generate", "hi", "--tp", "2", "--device", "cpu"]) == 2
+    assert "num_attention_heads=9" in capsys.readouterr().err

@@ -73,7 +73,10 @@ def check_models():
                 f"{arch:10s} cuda fp32 logits rel err {e32:.1e}, bf16 {e16:.1e}, "
                 f"greedy equal: {got.token_ids == want}"
             )
-            assert e32 < 1e-4 and e16 < 3e-2 and got.token_ids == want, arch
+            # MoE in bf16: a rounding difference can flip a token's expert choice, which moves
+            # that token's output a lot in a tiny random model; float32 is the exact check.
+            assert e32 < 1e-4 and e16 < (1e-1 if "moe" in arch or arch == "mixtral" else 3e-2), arch
+            assert got.token_ids == want, arch
 
 
 if __name__ == "__main__":

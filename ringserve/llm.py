@@ -33,13 +33,14 @@ class LLM:
         cp: int = 1,
         ep: int = 1,
         allreduce: str = "auto",
+        cp_algo: str = "auto",
         timeout_s: float = 60.0,
         show_progress: bool = False,
         **engine_kwargs,
     ):
         self.parallel_config = ParallelConfig(tp=tp, cp=cp, ep=ep)
-        if cp > 1 or ep > 1:
-            raise NotImplementedError("context and expert parallelism (cp, ep > 1) are not available yet")
+        if ep > 1:
+            raise NotImplementedError("expert parallelism (ep > 1) is not available yet")
         self.engine = LLMEngine(
             model,
             device,

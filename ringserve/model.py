@@ -104,15 +104,15 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, ctx: ForwardContext):
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, -1, self.head_dim)
-        k = self.k_proj(x).view(tokens, -1, self.head_dim)
-        v = self.v_proj(x).view(tokens, -1, self.head_dim)
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = ctx.attend(self.layer, q, k, v)
-        return ctx.all_reduce(self.o_proj(out.reshape(tokens, -1)))
+        return ctx.all_reduce(self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):

@@ -3,6 +3,11 @@
 A full block is named by a hash of its tokens and of the block before it, so equal
 prefixes map to equal hashes. Blocks nobody uses but that hold a hashed prefix stay
 cached until memory runs short, then the least recently freed is reused first.
+
+Under context parallelism each of the N ranks has its own pool of blocks_per_rank blocks;
+block id b lives on rank b // blocks_per_rank, so a block table says where each piece of
+a sequence's KV lies. Each logical block (block_size consecutive positions) sits whole on
+one rank, so blocks stay prefix-cacheable. New blocks are placed by `place_blocks`.
 """
 
 from __future__ import annotations
@@ -12,21 +17,52 @@ from collections import OrderedDict
 from ringserve.engine.sequence import Sequence
 
 
+def place_blocks(seq_index: int, first_block: int, num_new: int, num_ranks: int) -> list[int]:
+    """The rank of each of a step's new logical blocks first_block .. first_block + num_new - 1.
+
+    Many new blocks (a prefill): cut into 2N equal chunks, rank i taking chunks i and
+    2N-1-i, so every ring step costs every rank the same causal work. A few (decode): round
+    robin by block index, offset by the sequence's index, so sequences decoding together
+    land on different ranks and no rank fills first.
+    """
+    if num_ranks == 1:
+        return [0] * num_new
+    if num_new < 2 * num_ranks:
+        return [(seq_index + first_block + i) % num_ranks for i in range(num_new)]
+    chunk = -(-num_new // (2 * num_ranks))
+    ranks = []
+    for i in range(num_new):
+        c = i // chunk
+        ranks.append(c if c < num_ranks else 2 * num_ranks - 1 - c)
+    return ranks
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_ranks: int = 1
+    ):
+        """num_blocks: blocks in all; num_ranks pools of num_blocks // num_ranks each."""
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_ranks = num_ranks
+        self.blocks_per_rank = num_blocks // num_ranks
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block
-        # Blocks with no user, reused from the front: never-hashed ones first, then cached
-        # ones from the least recently freed.
-        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Per rank, blocks with no user, reused from the front: never-hashed ones first,
+        # then cached ones from the least recently freed.
+        per = self.blocks_per_rank
+        self.free_blocks: list[OrderedDict[int, None]] = [
+            OrderedDict((b, None) for b in range(r * per, (r + 1) * per)) for r in range(num_ranks)
+        ]
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return sum(len(pool) for pool in self.free_blocks)
+
+    def rank_of(self, block: int) -> int:
+        return block // self.blocks_per_rank
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
@@ -62,16 +98,18 @@ class BlockManager:
 
     def _take(self, block: int) -> None:
         if self.ref_count[block] == 0:
-            del self.free_blocks[block]
+            del self.free_blocks[self.rank_of(block)][block]
         self.ref_count[block] += 1
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Add blocks so that `num_new_tokens` more tokens fit; False (no change) if too few."""
         needed = self.blocks_needed(seq, num_new_tokens)
-        if needed > len(self.free_blocks):
-            return False
-        for _ in range(needed):
-            block, _ = self.free_blocks.popitem(last=False)
+        ranks = place_blocks(seq.seq_index, len(seq.block_table), needed, self.num_ranks)
+        for r in set(ranks):
+            if ranks.count(r) > len(self.free_blocks[r]):
+                return False
+        for r in ranks:
+            block, _ = self.free_blocks[r].popitem(last=False)
             if self.block_hash[block] is not None:  # evict its cached prefix
                 del self.cached[self.block_hash[block]]
                 self.block_hash[block] = None
@@ -84,9 +122,10 @@ class BlockManager:
         for block in reversed(seq.block_table):
             self.ref_count[block] -= 1
             if self.ref_count[block] == 0:
-                self.free_blocks[block] = None
+                pool = self.free_blocks[self.rank_of(block)]
+                pool[block] = None
                 if self.block_hash[block] is None:
-                    self.free_blocks.move_to_end(block, last=False)
+                    pool.move_to_end(block, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0

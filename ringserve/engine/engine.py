@@ -31,6 +31,7 @@ from ringserve.engine.sequence import Sequence
 from ringserve.errors import ModelLoadError, RequestError
 from ringserve.gguf_import import builtin_model_path, converted_folder
 from ringserve.outputs import RequestOutput
+from ringserve.parallel.cp import CP_ALGOS, CPCalibration, choose_cp_algo
 from ringserve.parallel.tp import validate_tp
 from ringserve.sampling_params import SamplingParams
 
@@ -72,11 +73,13 @@ class LLMEngine:
         parallel: ParallelConfig | None = None,
         allreduce: str = "auto",
         timeout_s: float = 60.0,
+        cp_algo: str = "auto",
     ):
         """weights: tensors by Hugging Face name to use instead of the folder's files (the
         folder still gives config and tokenizer), e.g. a transformers model's state_dict.
         parallel: tp x cp ranks (started here, or joined under torchrun); timeout_s bounds
-        every collective, so a rank that dies or hangs ends the run with an error."""
+        every collective, so a rank that dies or hangs ends the run with an error.
+        cp_algo: auto (per step, by DESIGN.md 2.5's rule), pass_kv or pass_q."""
         self.engine_config = ec = engine_config or EngineConfig()
         self.parallel = parallel = parallel or ParallelConfig()
         self.model_path = resolve_model_path(model)
@@ -108,8 +111,12 @@ class LLMEngine:
             self.executor = LocalExecutor(spec, self.device, show_progress, weights)
         self.tokenizer = _load_tokenizer(self.model_path)
         self.eos_token_ids = _eos_token_ids(self.model_path, config, self.tokenizer)
-        num_blocks = self.executor.num_blocks
-        self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
+        if cp_algo not in CP_ALGOS:
+            raise ValueError(f"unknown cp_algo {cp_algo!r}; choose one of {', '.join(CP_ALGOS)}")
+        self.cp_algo = cp_algo
+        self.cp_calibration = CPCalibration.load(self.device.type)
+        num_blocks = self.executor.num_blocks * parallel.cp  # each CP rank has its own pool
+        self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching, parallel.cp)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs)
         self.seqs: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -200,7 +207,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        logits = self.executor.execute(StepInput.from_batch(batch))
+        step = StepInput.from_batch(batch)
+        if self.parallel.cp > 1:
+            step.cp_algo = self._choose_cp_algo(batch)
+        logits = self.executor.execute(step)
         self.num_computed_tokens += sum(batch.num_tokens)
         sampling = []
         for seq, n in zip(batch.seqs, batch.num_tokens):
@@ -225,6 +235,26 @@ class LLMEngine:
                 self.seqs.pop(seq.request_id, None)
                 self.detokenizers.pop(seq.request_id, None)
         return outputs
+
+    def _choose_cp_algo(self, batch) -> str:
+        if self.cp_algo != "auto":
+            return self.cp_algo
+        c = self.model_config
+        new = sum(batch.num_tokens)
+        cached = sum(seq.num_computed_tokens for seq in batch.seqs)
+        algo = choose_cp_algo(
+            new,
+            cached,
+            self.parallel.cp,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            torch.empty((), dtype=self.dtype).element_size(),
+            self.cp_calibration,
+        )
+        logger.debug(
+            "cp step: %d new, %d cached tokens over %d ranks -> %s", new, cached, self.parallel.cp, algo
+        )
+        return algo
 
     def _check_finished(self, seq: Sequence, token: int) -> None:
         params = seq.params

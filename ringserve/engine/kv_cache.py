@@ -61,3 +61,24 @@ class PagedAttentionContext:
 
     def all_reduce(self, x):
         return self.tp_all_reduce(x)
+
+
+@dataclass
+class RingAttentionContext:
+    """ForwardContext of one step on one CP rank: this rank's new KV goes to its slots; its
+    queries meet every rank's keys through the ring (pass-KV or pass-Q)."""
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # [T_mine] local slots of this rank's new tokens
+    local_slots: torch.Tensor  # [K_mine] local slots of every key this rank holds, per sequence
+    ring: Callable  # (q, k_local, v_local) -> out
+    tp_all_reduce: Callable[[torch.Tensor], torch.Tensor]
+
+    def attend(self, layer: int, q, k, v):
+        k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
+        k_cache[self.slot_mapping] = k
+        v_cache[self.slot_mapping] = v
+        return self.ring(q, k_cache[self.local_slots], v_cache[self.local_slots])
+
+    def all_reduce(self, x):
+        return self.tp_all_reduce(x)

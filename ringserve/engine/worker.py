@@ -62,7 +62,14 @@ class Worker:
             dtype,
             self.device,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.all_reduce, groups.tp_group)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_cache,
+            self.device,
+            self.all_reduce,
+            groups.tp_group,
+            groups.cp_group if groups.cp_size > 1 else None,
+        )
 
     def _num_blocks(self, config, shard, dtype, ec: EngineConfig, max_model_len: int) -> int:
         """Blocks from the memory budget; every rank takes the smallest so block ids agree."""
@@ -80,14 +87,16 @@ class Worker:
                 budget = _CPU_KV_CACHE_BYTES
             # No use for more blocks than every sequence at full length can fill.
             most = ec.max_num_seqs * -(-max_model_len // ec.block_size)
+            most = -(-most // self.groups.cp_size) + 1
             num_blocks = max(0, min(budget // per_block, most))
         if self.groups.world_size > 1:
             agreed = torch.tensor([num_blocks], dtype=torch.int64)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.groups.control_group)
             num_blocks = int(agreed.item())
-        if num_blocks * ec.block_size < max_model_len:
+        capacity = num_blocks * ec.block_size * self.groups.cp_size  # CP ranks each hold a share
+        if capacity < max_model_len:
             raise ValueError(
-                f"the KV cache holds {num_blocks * ec.block_size} tokens ({num_blocks} blocks), fewer "
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks per rank), fewer "
                 f"than max_model_len={max_model_len}: give it more memory or blocks, or lower max_model_len"
             )
         return num_blocks

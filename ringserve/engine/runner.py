@@ -157,7 +157,7 @@ class ModelRunner:
         if self.tp_size == 1:
             return logits
         gathered = all_gather_stacked(logits, self.tp_group)  # [tp, N, V_local]
-        full = gathered.permute(1, 0, 2).reshape(logits.shape[0], -1)
+        full = gathered.permute(1, 0, 2).reshape(logits.shape[0], self.tp_size * logits.shape[1])
         return full[:, : self.model.config.vocab_size]
 
 

@@ -1,0 +1,135 @@
+"""Context parallelism on gloo ranks: every layout's logits and greedy tokens equal the
+single-rank result (which the model tests check against transformers)."""
+
+import pytest
+import torch
+
+from ringserve import LLM, SamplingParams
+from ringserve.engine.block_manager import place_blocks
+from ringserve.parallel.cp import CPCalibration, choose_cp_algo
+
+from helpers import engine_logits
+
+BS = 4  # small KV blocks so that short prompts spread over every rank
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+def prompts_of_lengths(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+LONG = prompts_of_lengths([101])[0]  # not a multiple of 2N blocks nor tokens for N = 2, 3, 4
+VARSEQ = prompts_of_lengths([37, 5, 66, 12], seed=1)
+
+
+def run(folder, **kw):
+    """Greedy tokens of LONG alone and of a varseq batch, and the logits of a prefill + decode."""
+    with LLM(folder, device="cpu", dtype="float32", block_size=BS, timeout_s=60, **kw) as llm:
+        long = llm.generate([LONG], GREEDY)[0].token_ids
+        batch = [o.token_ids for o in llm.generate(VARSEQ, GREEDY)]
+        logits = engine_logits(llm.engine, LONG[:60], prefill=50)
+    return long, batch, logits
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            cache[arch] = run(tiny_model_dir(arch))
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "arch,layout",
+    [
+        ("llama", dict(cp=2, cp_algo="pass_kv")),
+        ("llama", dict(cp=2, cp_algo="pass_q")),
+        ("llama", dict(cp=3)),
+        ("qwen3", dict(cp=4, cp_algo="pass_kv")),
+        ("qwen3", dict(cp=4, cp_algo="pass_q")),
+        ("mixtral", dict(tp=2, cp=2)),
+    ],
+)
+def test_cp_equals_single_rank(arch, layout, tiny_model_dir, reference):
+    ref_long, ref_batch, ref_logits = reference(arch)
+    long, batch, logits = run(tiny_model_dir(arch), **layout)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert long == ref_long
+    assert batch == ref_batch
+
+
+@pytest.mark.parametrize("algo", ["pass_kv", "pass_q"])
+def test_second_turn_reuses_the_sharded_cache(algo, tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    first = LONG
+    with LLM(folder, device="cpu", dtype="float32", block_size=BS) as llm:
+        answer = llm.generate([first], GREEDY)[0].token_ids
+        second = first + answer + [7, 8, 9, 10, 11]
+        expected = llm.generate([second], GREEDY)[0].token_ids
+    with LLM(folder, device="cpu", dtype="float32", block_size=BS, cp=2, cp_algo=algo) as llm:
+        assert llm.generate([first], GREEDY)[0].token_ids == answer
+        before = llm.engine.num_computed_tokens
+        out = llm.generate([second], GREEDY)[0]
+        computed = llm.engine.num_computed_tokens - before
+    assert out.token_ids == expected
+    # The cached turn (all full blocks of the first prompt and answer) is not recomputed.
+    assert out.num_cached_tokens >= (len(first) + len(answer) - 1) // BS * BS
+    assert computed == len(second) - out.num_cached_tokens + len(expected) - 1
+
+
+def test_each_rank_holds_its_share_of_the_kv(tiny_model_dir):
+    prompt = prompts_of_lengths([400], seed=3)[0]
+    with LLM(
+        tiny_model_dir("llama"), device="cpu", dtype="float32", block_size=BS, cp=4, cp_algo="pass_kv"
+    ) as llm:
+        engine = llm.engine
+        seq_id = engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        seq = engine.seqs[seq_id]
+        for _ in range(20):
+            engine.step()
+        blocks = list(seq.block_table)  # 400 prompt + 19 decoded tokens' KV (+ the next one's)
+        per_rank = [sum(1 for b in blocks if engine.block_manager.rank_of(b) == r) for r in range(4)]
+        # Each rank's cache tensors are a quarter of what one rank would need.
+        kv_bytes = engine.executor.worker.kv_cache.nbytes
+        while engine.has_unfinished():
+            engine.step()
+    with LLM(tiny_model_dir("llama"), device="cpu", dtype="float32", block_size=BS) as llm:
+        single_kv_bytes = llm.engine.executor.worker.kv_cache.nbytes
+    assert len(blocks) == -(-(400 + 20) // BS)
+    for count in per_rank:  # each rank holds about a quarter of the sequence's KV
+        assert abs(count - len(blocks) / 4) <= 3, per_rank
+    assert kv_bytes <= single_kv_bytes / 4 * 1.01
+
+
+def test_prefill_placement_is_load_balanced():
+    # 2N chunks, rank i taking chunks i and 2N-1-i: equal causal work on every rank.
+    assert place_blocks(0, 0, 8, 4) == [0, 1, 2, 3, 3, 2, 1, 0]
+    ranks = place_blocks(0, 0, 100, 4)
+    assert [ranks.count(r) for r in range(4)] == [22, 26, 26, 26]  # chunks of 13; the last has 9
+    # decode blocks: round robin, offset by sequence
+    assert place_blocks(1, 10, 1, 4) == [3] and place_blocks(2, 10, 1, 4) == [0]
+
+
+def test_auto_rule_crossover_with_the_papers_figures():
+    """800 TFLOP/s, 50 GB/s, CP4, 128K context, 128 query / 8 KV heads, bf16."""
+    paper = CPCalibration(attention_flops=800e12, link_bytes_per_s=50e9)
+    context = 128 * 1024
+
+    def algo(fraction):
+        new = int(context * fraction)
+        return choose_cp_algo(new, context - new, 4, 128, 8, 2, paper)
+
+    assert algo(0.005) == "pass_q" and algo(0.01) == "pass_q" and algo(0.02) == "pass_q"
+    assert algo(0.05) == "pass_kv" and algo(0.5) == "pass_kv" and algo(1.0) == "pass_kv"
+    # The crossover the rule predicts: T/(T+P) = 2*NKV/NH - 4*T*BW/(N*C*e), i.e.
+    # x = 0.125 / (1 + 4 * 128K * BW / (N*C*e)) = 2.45% here, below the paper's ~5%.
+    crossover = 0.125 / (1 + 4 * context * 50e9 / (4 * 800e12 * 2))
+    assert algo(crossover * 0.98) == "pass_q" and algo(crossover * 1.02) == "pass_kv"
+    # A full prefill (no cache) is always pass-KV; decode (one new token) pass-Q.
+    assert choose_cp_algo(1000, 0, 4, 128, 8, 2, paper) == "pass_kv"
+    assert choose_cp_algo(1, context, 4, 128, 8, 2, paper) == "pass_q"

@@ -29,9 +29,12 @@ class VarlenBatch:
     # True when every sequence's keys are positions 0..Lk-1 and its queries the last Lq of
     # them: the bottom-right causal mask that fused kernels implement without positions.
     causal_suffix: bool = True
-    # Host copies of the sequence boundaries, so the math path needs no device sync.
+    # Host copies of the sequence boundaries (and positions), so planning needs no device sync.
     q_bounds: list[int] | None = None
     k_bounds: list[int] | None = None
+    q_positions_host: torch.Tensor | None = None
+    k_positions_host: torch.Tensor | None = None
+    _plan: list | None = None  # the block plan of _segmented, made once per batch
 
 
 def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float):
@@ -42,7 +45,110 @@ def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float):
             # with LSE on Hopper (about twice the flash kernel at long lengths).
             return _cudnn_per_sequence(q, k, v, batch.q_bounds, scale)
         return _flash_varlen(q, k, v, batch, scale)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and batch.q_positions_host is not None:
+        return _segmented(q, k, v, batch, scale)
     return _math_varlen(q, k, v, batch, scale)
+
+
+def _runs(positions: torch.Tensor, base: int):
+    """Maximal runs of consecutive positions: [(first index, end index, first position)]."""
+    if len(positions) == 0:
+        return []
+    breaks = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
+    starts = [0, *breaks]
+    ends = [*breaks, len(positions)]
+    return [(base + a, base + b, int(positions[a])) for a, b in zip(starts, ends)]
+
+
+def _plan_blocks(batch: VarlenBatch):
+    """Cut every sequence's queries and keys into runs of consecutive positions, and each
+    (query run, key run) pair into blocks that kernels run without a mask: ("full", ...)
+    where every query sees every key, ("causal", ...) for the same positions on both sides.
+    Keys after every query drop out. Entries: (kind, q_start, q_end, k_start, k_end)."""
+    plan = []
+    qb, kb = batch.q_bounds, batch.k_bounds
+    for i in range(len(qb) - 1):
+        q_runs = _runs(batch.q_positions_host[qb[i] : qb[i + 1]], qb[i])
+        k_runs = _runs(batch.k_positions_host[kb[i] : kb[i + 1]], kb[i])
+        for q0, q1, qp in q_runs:
+            for k0, k1, kp in k_runs:
+                plan += _pair_blocks(q0, q1, qp, k0, k1, kp)
+    return plan
+
+
+def _pair_blocks(q0, q1, qp, k0, k1, kp):
+    """Blocks of one query run (indices q0:q1, first position qp) against one key run."""
+    q_last, k_last = qp + (q1 - q0) - 1, kp + (k1 - k0) - 1
+    blocks = []
+    if kp > q_last:
+        return blocks
+    if kp < qp:  # keys before the first query: seen by every query
+        blocks.append(("full", q0, q1, k0, k0 + min(k_last, qp - 1) - kp + 1))
+    first, last = max(kp, qp), min(k_last, q_last)
+    if first <= last:
+        qi, ki = q0 + first - qp, k0 + first - kp
+        n = last - first + 1
+        blocks.append(("causal", qi, qi + n, ki, ki + n))  # the shared positions: a diagonal
+        if last < q_last:  # later queries see all of those keys
+            blocks.append(("full", qi + n, q1, ki, ki + n))
+    return blocks
+
+
+def _segmented(q, k, v, batch: VarlenBatch, scale: float):
+    """Arbitrary positions on CUDA: cuDNN on each unmasked block, merged by LSE.
+
+    The ring's blocks are whole chunks of positions (zigzag prefill, cached blocks), so
+    there are few blocks per sequence, each fully visible or a causal diagonal: cuDNN's
+    fastest cases.
+    """
+    if batch._plan is None:
+        batch._plan = _plan_blocks(batch)
+    rows, outs, lses = [], [], []
+    for kind, q0, q1, k0, k1 in batch._plan:
+        out, lse = _dense_block(q[q0:q1], k[k0:k1], v[k0:k1], kind == "causal", scale)
+        rows.append(torch.arange(q0, q1, device=q.device))
+        outs.append(out)
+        lses.append(lse)
+    return _merge_rows(q, rows, outs, lses)
+
+
+def _dense_block(q, k, v, causal: bool, scale: float):
+    """One block with no mask, or a causal diagonal: q [Lq, NH, D], k/v [Lk, NKV, D]."""
+    group = q.shape[1] // k.shape[1]
+    qs = q.transpose(0, 1).unsqueeze(0)
+    ks = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    vs = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    if q.is_cuda:
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qs, ks, vs, None, True, 0.0, causal, False, scale=scale
+        )
+    else:  # the same arithmetic in float32, for checks without a GPU
+        scores = torch.matmul(qs.float(), ks.float().transpose(-1, -2)) * scale
+        if causal:
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), vs.float()).to(q.dtype)
+    return out[0].transpose(0, 1), lse[0].reshape(q.shape[1], q.shape[0]).transpose(0, 1)
+
+
+def _merge_rows(q, rows, outs, lses):
+    """Merge partials of possibly repeated query rows by log-sum-exp (rows with none: 0, -inf)."""
+    num_rows, num_heads = q.shape[0], q.shape[1]
+    if not rows:
+        return torch.zeros_like(q), torch.full((num_rows, num_heads), float("-inf"), device=q.device)
+    index = torch.cat(rows)
+    lse = torch.cat(lses).float()
+    out = torch.cat(outs).float()
+    peak = torch.full((num_rows, num_heads), float("-inf"), device=q.device)
+    peak = peak.scatter_reduce(0, index.unsqueeze(-1).expand_as(lse), lse, "amax")
+    safe_peak = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
+    weight = torch.exp(lse - safe_peak[index])
+    total = torch.zeros_like(peak).index_add_(0, index, weight)
+    merged = torch.zeros(num_rows, num_heads, q.shape[2], device=q.device).index_add_(
+        0, index, out * weight.unsqueeze(-1)
+    )
+    merged = merged / total.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    return merged.to(q.dtype), safe_peak + torch.log(total)
 
 
 def _cudnn_per_sequence(q, k, v, bounds: list[int], scale: float):

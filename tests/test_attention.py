@@ -96,3 +96,32 @@ def test_merge_guards_parts_with_no_visible_key():
     # All parts empty: zeros and -inf, no NaN.
     out, merged = merge_partials([o_none, o_none], [lse_none, lse_none])
     assert (out == 0).all() and torch.isinf(merged).all()
+
+
+def test_block_plan_of_ring_layouts_matches_the_math_path():
+    """Zigzag chunks, a cached prefix, decode tails and an odd overlap: the run-by-run plan
+    (cuDNN blocks on a GPU, the same arithmetic here) equals the position-masked math path."""
+    from ringserve.attention import _math_varlen, _segmented
+
+    g = torch.Generator().manual_seed(7)
+    # Sequence 0: queries are chunks 1 and 6 of 8 (zigzag), keys a cached prefix plus chunks 1, 2, 5, 6.
+    q0 = torch.cat([torch.arange(100, 110), torch.arange(150, 160)])
+    k0 = torch.cat([torch.arange(0, 40), torch.arange(100, 120), torch.arange(140, 160)])
+    # Sequence 1: one decode token at 77 against a block holding 64..77; sequence 2: a
+    # partial overlap (keys start inside the query run).
+    q1, k1 = torch.tensor([77]), torch.arange(64, 78)
+    q2, k2 = torch.arange(10, 20), torch.arange(15, 25)
+    qs, ks = [q0, q1, q2], [k0, k1, k2]
+    cu_q = torch.tensor([0, *torch.tensor([len(p) for p in qs]).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor([len(p) for p in ks]).cumsum(0).tolist()], dtype=torch.int32)
+    q_pos, k_pos = torch.cat(qs), torch.cat(ks)
+    batch = VarlenBatch(cu_q, cu_k, 20, 80, q_pos, k_pos, False, cu_q.tolist(), cu_k.tolist(), q_pos, k_pos)
+    q = torch.randn(len(q_pos), 4, 8, generator=g)
+    k = torch.randn(len(k_pos), 2, 8, generator=g)
+    v = torch.randn(len(k_pos), 2, 8, generator=g)
+    out, lse = _segmented(q, k, v, batch, 8**-0.5)
+    ref_out, ref_lse = _math_varlen(q, k, v, batch, 8**-0.5)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    kinds = [p[0] for p in batch._plan]
+    assert set(kinds) == {"full", "causal"}  # every block runs without a mask

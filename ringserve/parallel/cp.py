@@ -51,16 +51,19 @@ class RankShare:
         for a, b in zip(q_lens, k_lens):
             cu_q.append(cu_q[-1] + a)
             cu_k.append(cu_k[-1] + b)
+        q_positions, k_positions = torch.cat(self.q_positions), torch.cat(keys.k_positions)
         return VarlenBatch(
             cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
             cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
             max_seqlen_q=max(q_lens, default=0),
             max_seqlen_k=max(k_lens, default=0),
-            q_positions=torch.cat(self.q_positions).to(device),
-            k_positions=torch.cat(keys.k_positions).to(device),
+            q_positions=q_positions.to(device),
+            k_positions=k_positions.to(device),
             causal_suffix=False,
             q_bounds=cu_q,
             k_bounds=cu_k,
+            q_positions_host=q_positions,
+            k_positions_host=k_positions,
         )
 
     @property

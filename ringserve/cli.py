@@ -29,6 +29,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="tensor-parallel allreduce: auto picks by message size from `ringserve bench allreduce`",
     )
     p.add_argument(
+        "--cp-algo",
+        default="auto",
+        choices=["auto", "pass_kv", "pass_q"],
+        help="context-parallel ring: auto chooses per step from new vs cached tokens",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=60.0,
@@ -95,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--sizes", type=int, nargs="+", default=None, help="message sizes in bytes")
     ar.add_argument("--iters", type=int, default=20, help="timed repetitions per size")
     ar.add_argument("--no-save", action="store_true", help="print only; keep the stored thresholds")
+    cal = bench_sub.add_parser(
+        "cp-calibrate",
+        help="measure attention FLOP/s and ring bandwidth for the pass-KV / pass-Q choice",
+        description="Measures this device's attention rate and the bandwidth of one ring hop between "
+        "two local ranks, and stores them for `--cp-algo auto`. Across hosts, the hop between "
+        "hosts is the slower link: measure there too.",
+    )
+    cal.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    cal.add_argument("--no-save", action="store_true", help="print only")
     return parser
 
 
@@ -128,6 +143,7 @@ def _generate(args) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
             allreduce=args.allreduce,
             timeout_s=args.timeout,
+            cp_algo=args.cp_algo,
         )
     except (RingserveError, ValueError, NotImplementedError, MemoryError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -179,12 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return _generate(args)
-    if args.command == "bench" and args.bench == "allreduce":
+    if args.command == "bench":
         import torch
 
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if args.bench == "cp-calibrate":
+            from ringserve.parallel import cp_calibrate
+
+            cp_calibrate.run(device, save=not args.no_save)
+            return 0
         from ringserve.parallel import allreduce_bench
 
-        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         allreduce_bench.run(
             args.world_size,
             device,

@@ -133,3 +133,51 @@ def test_auto_rule_crossover_with_the_papers_figures():
     # A full prefill (no cache) is always pass-KV; decode (one new token) pass-Q.
     assert choose_cp_algo(1000, 0, 4, 128, 8, 2, paper) == "pass_kv"
     assert choose_cp_algo(1, context, 4, 128, 8, 2, paper) == "pass_q"
+
+
+def test_calibration_command_feeds_auto(tmp_path, monkeypatch, capsys):
+    from ringserve.cli import main
+
+    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))
+    assert main(["bench", "cp-calibrate", "--device", "cpu"]) == 0
+    assert "ring hop" in capsys.readouterr().out
+    measured = CPCalibration.load("cpu")
+    assert measured.attention_flops > 1e6 and measured.link_bytes_per_s > 1e6
+    assert measured != CPCalibration.load("no-such-device")
+
+
+def test_cli_generate_with_context_parallelism(capsys):
+    from ringserve.cli import main
+
+    # The built-in model over two CP ranks: the same answer as on one.
+    assert (
+        main(
+            [
+                "generate",
+                "What is the capital of France?",
+                "--cp",
+                "2",
+                "--device",
+                "cpu",
+                "--max-tokens",
+                "16",
+                "--block-size",
+                "4",
+            ]
+        )
+        == 0
+    )
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_auto_uses_pass_kv_for_prefill_and_pass_q_for_decode(tiny_model_dir, reference, monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setenv("RINGSERVE_CACHE", "/nonexistent")  # the built-in defaults, not a stored calibration
+    ref_long = reference("llama")[0]
+    with caplog.at_level(logging.DEBUG, logger="ringserve.engine.engine"):
+        with LLM(tiny_model_dir("llama"), device="cpu", dtype="float32", block_size=BS, cp=2) as llm:
+            assert llm.generate([LONG], GREEDY)[0].token_ids == ref_long
+    decisions = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cp step")]
+    assert decisions[0] == "cp step: 101 new, 0 cached tokens over 2 ranks -> pass_kv"
+    assert decisions[1] == "cp step: 1 new, 101 cached tokens over 2 ranks -> pass_q"

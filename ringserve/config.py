@@ -144,14 +144,18 @@ class TPShard:
     moe_intermediate_size: int
     vocab_start: int
     vocab_size: int  # rows held; the last rank's may run past the vocabulary (padding)
+    expert_start: int = 0  # expert parallelism: this rank holds experts expert_start ..
+    num_experts: int = 0  # .. expert_start + num_experts - 1, each whole
 
     @classmethod
     def whole(cls, config: ModelConfig) -> TPShard:
         return cls.of(config, 0, 1)
 
     @classmethod
-    def of(cls, config: ModelConfig, rank: int, size: int) -> TPShard:
+    def of(cls, config: ModelConfig, rank: int, size: int, ep_rank: int = 0, ep_size: int = 1) -> TPShard:
+        """ep_size > 1: experts are spread whole over the EP ranks instead of split by TP."""
         per_rank_vocab = -(-config.vocab_size // size)
+        experts_per_rank = config.num_experts // ep_size
         return cls(
             rank=rank,
             size=size,
@@ -160,9 +164,11 @@ class TPShard:
             # size > KV heads: ranks rank * kv // size share one head (the q heads it serves)
             kv_head_start=rank * config.num_key_value_heads // size,
             intermediate_size=config.intermediate_size // size,
-            moe_intermediate_size=config.moe_intermediate_size // size,
+            moe_intermediate_size=config.moe_intermediate_size // (size if ep_size == 1 else 1),
             vocab_start=rank * per_rank_vocab,
             vocab_size=per_rank_vocab,
+            expert_start=ep_rank * experts_per_rank,
+            num_experts=experts_per_rank,
         )
 
 
@@ -173,16 +179,34 @@ class ParallelConfig:
     tp: int = 1
     cp: int = 1
     ep: int = 1
+    ranks_per_host: int | None = None  # EP groups spanning hosts use the two-shot all-to-all
 
     def __post_init__(self):
         for name in ("tp", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.ep_axes  # noqa: B018 - validates ep against tp and cp
 
     @property
     def world_size(self) -> int:
         return self.tp * self.cp
+
+    @property
+    def ep_axes(self) -> tuple[str, ...]:
+        """The mesh dimensions the EP group spans: the same processes as tp, cp or both."""
+        if self.ep == 1:
+            return ()
+        if self.ep == self.tp:
+            return ("tp",)
+        if self.ep == self.cp:
+            return ("cp",)
+        if self.ep == self.tp * self.cp:
+            return ("cp", "tp")
+        raise ValueError(
+            f"ep={self.ep} must equal tp={self.tp}, cp={self.cp} or tp x cp={self.tp * self.cp}: "
+            "experts are spread over the processes that tp x cp starts"
+        )
 
 
 @dataclass

@@ -20,6 +20,9 @@ class LLM:
     tp: tensor-parallel ranks, started by this call (gloo on CPU, NCCL on CUDA) or, under
     torchrun, the launched world; allreduce: auto, torch, one_shot or two_shot; timeout_s:
     how long a collective may wait before a dead or hung rank ends the run with an error.
+    cp: context-parallel ranks (cp_algo: auto, pass_kv or pass_q). ep: expert-parallel ranks
+    for MoE models, the same processes as tp, cp or tp x cp; ranks_per_host: when the EP
+    group spans hosts, its all-to-all goes two-shot (inside the host, then across).
     Further keyword arguments set EngineConfig fields (block_size, num_blocks,
     max_model_len, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, ...).
     """
@@ -32,15 +35,14 @@ class LLM:
         tp: int = 1,
         cp: int = 1,
         ep: int = 1,
+        ranks_per_host: int | None = None,
         allreduce: str = "auto",
         cp_algo: str = "auto",
         timeout_s: float = 60.0,
         show_progress: bool = False,
         **engine_kwargs,
     ):
-        self.parallel_config = ParallelConfig(tp=tp, cp=cp, ep=ep)
-        if ep > 1:
-            raise NotImplementedError("expert parallelism (ep > 1) is not available yet")
+        self.parallel_config = ParallelConfig(tp=tp, cp=cp, ep=ep, ranks_per_host=ranks_per_host)
         self.engine = LLMEngine(
             model,
             device,

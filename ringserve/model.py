@@ -25,6 +25,10 @@ class ForwardContext(Protocol):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the tensor-parallel ranks."""
 
+    def run_experts(self, experts: Experts, x, expert_ids, weights) -> torch.Tensor:
+        """sum_j weights[t, j] * expert[expert_ids[t, j]](x[t]) for every token t: on this
+        rank's experts, or dispatched to the ranks holding them (expert parallelism)."""
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -183,7 +187,7 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = config.num_experts
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = Experts(config.num_experts, config.hidden_size, shard.moe_intermediate_size)
+        self.experts = Experts(shard.num_experts, config.hidden_size, shard.moe_intermediate_size)
 
     def route(self, x):
         """-> (expert ids [T, k], weights [T, k]) for each token."""
@@ -194,15 +198,8 @@ class SparseMoeBlock(nn.Module):
         return experts, weights.to(x.dtype)
 
     def forward(self, x, ctx: ForwardContext):
-        experts, weights = self.route(x)
-        flat = experts.flatten()  # [T * k]: token t's j-th choice at t * k + j
-        order = torch.argsort(flat, stable=True)
-        token_of = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        y = self.experts.grouped_forward(x[token_of], counts)
-        y = y * weights.flatten()[order].unsqueeze(-1)
-        out = torch.zeros_like(x).index_add_(0, token_of, y)
-        return ctx.all_reduce(out)
+        expert_ids, weights = self.route(x)
+        return ctx.run_experts(self.experts, x, expert_ids, weights)
 
 
 class DecoderLayer(nn.Module):

@@ -62,6 +62,10 @@ class ShardPlan:
         """Whether the parameter may hold more rows than its slice (zero padding)."""
         return False
 
+    def local_expert(self, expert: int) -> int | None:
+        """Where on-disk expert `expert` goes in this rank's stack; None: not on this rank."""
+        return expert
+
 
 def checkpoint_files(folder: str) -> list[str]:
     """The safetensors files of a model folder: one file, or the shards its index names."""
@@ -164,6 +168,10 @@ def load_weights(
                 continue  # tied: the embedding is the head
             logger.warning("ignoring tensor %s in %s: the model has no such parameter", name, origin)
             continue
+        if expert is not None:
+            expert = plan.local_expert(expert)
+            if expert is None:
+                continue  # another expert-parallel rank's expert: not read
         target = param[expert] if expert is not None else param
         try:
             tensor = read(lambda shape, param_name=param_name: plan.local_slice(param_name, shape))

@@ -70,6 +70,7 @@ class WorkerSpec:
             self.allreduce,
             weights=weights,
             show_progress=show_progress,
+            ranks_per_host=self.parallel.ranks_per_host,
         )
 
 

@@ -49,6 +49,7 @@ class PagedAttentionContext:
     batch: VarlenBatch
     scale: float
     tp_all_reduce: Callable[[torch.Tensor], torch.Tensor]  # the sum over tensor-parallel ranks
+    experts: Callable  # LocalExperts or ExpertParallel (parallel/ep.py)
 
     def attend(self, layer: int, q, k, v):
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
@@ -62,6 +63,9 @@ class PagedAttentionContext:
     def all_reduce(self, x):
         return self.tp_all_reduce(x)
 
+    def run_experts(self, experts, x, expert_ids, weights):
+        return self.experts(experts, x, expert_ids, weights)
+
 
 @dataclass
 class RingAttentionContext:
@@ -73,6 +77,7 @@ class RingAttentionContext:
     local_slots: torch.Tensor  # [K_mine] local slots of every key this rank holds, per sequence
     ring: Callable  # (q, k_local, v_local) -> out
     tp_all_reduce: Callable[[torch.Tensor], torch.Tensor]
+    experts: Callable
 
     def attend(self, layer: int, q, k, v):
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
@@ -82,3 +87,6 @@ class RingAttentionContext:
 
     def all_reduce(self, x):
         return self.tp_all_reduce(x)
+
+    def run_experts(self, experts, x, expert_ids, weights):
+        return self.experts(experts, x, expert_ids, weights)

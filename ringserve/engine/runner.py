@@ -47,6 +47,7 @@ class ModelRunner:
         kv_cache: KVCache,
         device: torch.device,
         all_reduce,
+        run_experts,
         tp_group=None,
         cp_group=None,
     ):
@@ -54,6 +55,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.all_reduce = all_reduce
+        self.run_experts = run_experts
         self.tp_group = tp_group
         self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
         self.cp_group = cp_group
@@ -90,7 +92,8 @@ class ModelRunner:
         dev = self.device
         ring = RingAttention(self.cp_group, shares, step.cp_algo, self.scale, dev)
         ctx = RingAttentionContext(
-            self.kv_cache, new_slots.to(dev), torch.cat(share.k_slots).to(dev), ring, self.all_reduce
+            self.kv_cache, new_slots.to(dev), torch.cat(share.k_slots).to(dev), ring, self.all_reduce,
+            self.run_experts,
         )
         local_rows = self._rows.local_sample_rows(self.cp_rank)
         return all_ids[mine].to(dev), positions.to(dev), ctx, local_rows.to(dev)
@@ -137,6 +140,7 @@ class ModelRunner:
             varlen,
             self.scale,
             self.all_reduce,
+            self.run_experts,
         )
         input_ids_t = to_device(torch.tensor(input_ids, dtype=torch.int64))
         return input_ids_t, positions_t, ctx, to_device(torch.tensor(sample_rows, dtype=torch.int64))

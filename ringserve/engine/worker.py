@@ -12,6 +12,7 @@ from ringserve.config import EngineConfig, ModelConfig, TPShard
 from ringserve.engine.kv_cache import KVCache
 from ringserve.engine.runner import ModelRunner, StepInput
 from ringserve.parallel.allreduce import AllReduce
+from ringserve.parallel.ep import ExpertParallel, LocalExperts
 from ringserve.parallel.mesh import ParallelGroups
 from ringserve.parallel.tp import TensorParallelPlan, validate_tp
 from ringserve.weights import load_model
@@ -34,12 +35,15 @@ class Worker:
         allreduce: str = "auto",
         weights: Mapping[str, torch.Tensor] | None = None,
         show_progress: bool = False,
+        ranks_per_host: int | None = None,
     ):
         self.groups = groups
         self.device = groups.device
         validate_tp(config, groups.tp_size)
-        shard = TPShard.of(config, groups.tp_rank, groups.tp_size)
-        plan = TensorParallelPlan(config, shard) if groups.tp_size > 1 else None
+        if groups.ep_size > 1 and config.num_experts % groups.ep_size:
+            raise ValueError(f"{config.num_experts} experts cannot be spread over ep={groups.ep_size} ranks")
+        shard = TPShard.of(config, groups.tp_rank, groups.tp_size, groups.ep_rank, groups.ep_size)
+        plan = TensorParallelPlan(config, shard) if groups.tp_size > 1 or groups.ep_size > 1 else None
         self.model = load_model(
             config,
             model_path,
@@ -51,6 +55,11 @@ class Worker:
             shard=shard,
         )
         self.all_reduce = AllReduce(groups.tp_group, allreduce, self.device)
+        if groups.ep_size > 1:
+            self.run_experts = ExpertParallel(groups.ep_group, config.num_experts, groups.ep_replicated_group,
+                                              ranks_per_host)
+        else:
+            self.run_experts = LocalExperts(self.all_reduce)
         ec = engine_config
         self.num_blocks = self._num_blocks(config, shard, dtype, ec, max_model_len)
         self.kv_cache = KVCache(
@@ -67,6 +76,7 @@ class Worker:
             self.kv_cache,
             self.device,
             self.all_reduce,
+            self.run_experts,
             groups.tp_group,
             groups.cp_group if groups.cp_size > 1 else None,
         )

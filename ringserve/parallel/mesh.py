@@ -22,11 +22,15 @@ class ParallelGroups:
     device: torch.device
     tp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
+    ep_group: dist.ProcessGroup | None = None  # the tp, cp or whole-world processes
+    ep_replicated_group: dist.ProcessGroup | None = None  # EP ranks holding the same tokens (TP)
     control_group: dist.ProcessGroup | None = None  # gloo, for the driver's step messages
     tp_rank: int = 0
     tp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
     mesh: object = None
 
     @classmethod
@@ -64,6 +68,9 @@ def init_groups(
     )
     mesh = init_device_mesh(device.type, (parallel.cp, parallel.tp), mesh_dim_names=("cp", "tp"))
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    groups = {"tp": mesh.get_group("tp"), "cp": mesh.get_group("cp")}
+    axes = parallel.ep_axes
+    ep_group = groups[axes[0]] if len(axes) == 1 else (dist.group.WORLD if axes else None)
     return ParallelGroups(
         rank=rank,
         world_size=world_size,
@@ -75,5 +82,9 @@ def init_groups(
         tp_size=parallel.tp,
         cp_rank=mesh.get_local_rank("cp"),
         cp_size=parallel.cp,
+        ep_group=ep_group,
+        ep_replicated_group=groups["tp"] if "tp" in axes and parallel.tp > 1 else None,
+        ep_rank=dist.get_rank(ep_group) if ep_group is not None else 0,
+        ep_size=parallel.ep,
         mesh=mesh,
     )

@@ -33,10 +33,13 @@ def validate_tp(config: ModelConfig, tp: int) -> None:
 
 
 class TensorParallelPlan(ShardPlan):
+    """This rank's slices under tensor parallelism, and its experts under expert parallelism."""
+
     def __init__(self, config: ModelConfig, shard: TPShard):
         self.shard = shard
         self.head_dim = config.head_dim
         self.vocab_size = config.vocab_size
+        self.whole_experts = shard.num_experts < config.num_experts  # spread by expert parallelism
 
     def _rows(self, start: int, count: int, unit: int = 1) -> slice:
         return slice(start * unit, (start + count) * unit)
@@ -53,7 +56,10 @@ class TensorParallelPlan(ShardPlan):
             return (self._rows(s.rank * s.intermediate_size, s.intermediate_size),)
         if param_name.endswith("mlp.down_proj.weight"):
             return (slice(None), self._rows(s.rank * s.intermediate_size, s.intermediate_size))
-        # Stacked experts: the plan sees one expert's on-disk [I, H] or [H, I] tensor.
+        # Stacked experts: the plan sees one expert's on-disk [I, H] or [H, I] tensor; under
+        # expert parallelism experts are whole.
+        if param_name.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj")) and self.whole_experts:
+            return None
         if param_name.endswith(("experts.gate_proj", "experts.up_proj")):
             return (self._rows(s.rank * s.moe_intermediate_size, s.moe_intermediate_size),)
         if param_name.endswith("experts.down_proj"):
@@ -64,3 +70,7 @@ class TensorParallelPlan(ShardPlan):
 
     def pads(self, param_name: str) -> bool:
         return param_name.endswith(("embed_tokens.weight", "lm_head.weight"))
+
+    def local_expert(self, expert: int) -> int | None:
+        local = expert - self.shard.expert_start
+        return local if 0 <= local < self.shard.num_experts else None

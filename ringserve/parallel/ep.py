@@ -1,0 +1,187 @@
+"""Running a MoE layer's experts: on this rank, or spread over expert-parallel ranks.
+
+Without EP (`LocalExperts`) every rank holds every expert (under TP, a slice of each
+expert's intermediate dimension) and sums partial outputs with the TP allreduce.
+
+With EP (`ExpertParallel`) each of the ep ranks holds num_experts / ep whole experts.
+Dispatch: each (token, chosen expert) pair goes to the rank holding the expert: counts are
+exchanged first, then all_to_all_single with uneven splits carries the activations and the
+routing (expert id and weight). The receiving rank runs each local expert once over its
+group and weights the outputs; the reverse all-to-all (combine) brings them home, where
+they are summed per token. Exact: no capacity limit, no dropped token.
+
+When the EP group spans hosts (`ranks_per_host`), the all-to-all is two-shot: a token's
+choices bound for one destination rank travel as one row (its expert ids and weights, -1
+where unused), first inside the host to the rank whose local index matches the
+destination's, then across hosts between those peer ranks. So a token crosses the host
+boundary once per destination rank, over the peer link (flat: once per chosen expert).
+`cross_host_bytes` counts the activation bytes that crossed, both ways.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ringserve.model import Experts
+from ringserve.parallel.comm import all_gather_stacked
+
+
+def _run_rows(experts: Experts, rows, expert_ids, weights, first_expert: int):
+    """rows [N, H]; expert_ids, weights [N, k] (-1: no expert) -> [N, H] = sum_j w_j * e_j(row).
+
+    Each local expert runs once over all the rows that chose it (grouped, no per-token loop).
+    """
+    row_of, slot = torch.nonzero(expert_ids >= 0, as_tuple=True)
+    local = expert_ids[row_of, slot] - first_expert
+    order = torch.argsort(local, stable=True)
+    counts = torch.bincount(local, minlength=experts.gate_proj.shape[0]).tolist()
+    y = torch.empty(len(order), rows.shape[1], dtype=rows.dtype, device=rows.device)
+    y[order] = experts.grouped_forward(rows[row_of[order]], counts)
+    y = y * weights[row_of, slot].unsqueeze(-1)
+    return torch.zeros_like(rows).index_add_(0, row_of, y)
+
+
+class LocalExperts:
+    def __init__(self, all_reduce):
+        self.all_reduce = all_reduce
+
+    def __call__(self, experts: Experts, x, expert_ids, weights):
+        return self.all_reduce(_run_rows(experts, x, expert_ids, weights, 0))
+
+
+def _exchange(rows, extras: list, send_counts, group):
+    """all_to_all of rows and same-length side tensors with uneven splits, plus its reverse.
+
+    Returns (received rows, received side tensors, back) where back(y) sends rows of y,
+    in the order received, back to where they came from.
+    """
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    total = sum(recv_splits)
+    received = []
+    for t in [rows, *extras]:
+        out = t.new_empty(total, *t.shape[1:])
+        dist.all_to_all_single(out, t.contiguous(), recv_splits, send_splits, group=group)
+        received.append(out)
+
+    def back(y):
+        home = y.new_empty(sum(send_splits), *y.shape[1:])
+        dist.all_to_all_single(home, y.contiguous(), send_splits, recv_splits, group=group)
+        return home
+
+    return received[0], received[1:], back
+
+
+class ExpertParallel:
+    """Experts spread over `group`; tokens reach them by all-to-all and come back the same way.
+
+    replicated_group: the ranks that hold the same tokens (TP ranks inside the EP group):
+    each dispatches an equal share of the tokens, and the results are gathered back.
+    ranks_per_host: EP ranks per host (host-major); below the group size, two-shot.
+    """
+
+    def __init__(self, group, num_experts: int, replicated_group=None, ranks_per_host: int | None = None,
+                 two_shot: bool | None = None):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.experts_per_rank = num_experts // self.size
+        self.replicated_group = replicated_group
+        self.per_host = ranks_per_host if ranks_per_host and ranks_per_host < self.size else self.size
+        if self.size % self.per_host:
+            raise ValueError(f"ep={self.size} ranks do not fill hosts of {self.per_host} ranks")
+        self.two_shot = (self.per_host < self.size) if two_shot is None else two_shot
+        self.intra = self.peers = None
+        if self.two_shot:
+            self._make_host_groups()
+        self.cross_host_bytes = 0
+
+    def _make_host_groups(self):
+        ranks = [dist.get_global_rank(self.group, r) for r in range(self.size)]
+        host, local = divmod(self.rank, self.per_host)
+        # Every rank creates every group, in the same order (new_group is collective).
+        for h in range(self.size // self.per_host):
+            g = dist.new_group(ranks[h * self.per_host : (h + 1) * self.per_host])
+            if h == host:
+                self.intra = g
+        for lr in range(self.per_host):
+            g = dist.new_group(ranks[lr :: self.per_host])
+            if lr == local:
+                self.peers = g
+
+    def __call__(self, experts: Experts, x, expert_ids, weights):
+        if self.replicated_group is None:
+            return self._dispatch_combine(experts, x, expert_ids, weights)
+        n, r = dist.get_world_size(self.replicated_group), dist.get_rank(self.replicated_group)
+        share = -(-x.shape[0] // n)
+        lo, hi = min(r * share, x.shape[0]), min((r + 1) * share, x.shape[0])
+        padded = x.new_zeros(share, x.shape[1])
+        padded[: hi - lo] = self._dispatch_combine(experts, x[lo:hi], expert_ids[lo:hi], weights[lo:hi])
+        return all_gather_stacked(padded, self.replicated_group).view(-1, x.shape[1])[: x.shape[0]]
+
+    def _dispatch_combine(self, experts: Experts, x, expert_ids, weights):
+        dest = expert_ids // self.experts_per_rank  # [T, k] rank holding each choice
+        if self.two_shot:
+            rows, ids, w, token_of, back = self._two_shot(x, expert_ids, weights, dest)
+        else:
+            rows, ids, w, token_of, back = self._flat(x, expert_ids, weights, dest)
+        y = _run_rows(experts, rows, ids, w, self.rank * self.experts_per_rank)
+        return torch.zeros_like(x).index_add_(0, token_of, back(y))
+
+    def _host_of(self, rank):
+        return rank // self.per_host
+
+    def _flat(self, x, expert_ids, weights, dest):
+        """One row per (token, choice), straight to the rank holding the expert."""
+        top_k = expert_ids.shape[1]
+        pairs_dest = dest.flatten()
+        order = torch.argsort(pairs_dest, stable=True)
+        token_of = order // top_k
+        counts = torch.bincount(pairs_dest, minlength=self.size)
+        rows, (ids, w), back = _exchange(
+            x[token_of], [expert_ids.flatten()[order, None], weights.flatten()[order, None]], counts, self.group
+        )
+        remote = int(counts.sum() - counts[self.per_host * self._host_of(self.rank) :][: self.per_host].sum())
+        row_bytes = x.shape[1] * x.element_size()
+        self.cross_host_bytes += 2 * remote * row_bytes  # there and back
+
+        return rows, ids, w, token_of, back
+
+    def _two_shot(self, x, expert_ids, weights, dest):
+        """One row per (token, destination rank); inside the host first, then across."""
+        per, top_k = self.per_host, expert_ids.shape[1]
+        # Unique (token, destination) rows, each carrying its choices there (-1 elsewhere).
+        key = torch.arange(x.shape[0], device=x.device).unsqueeze(1) * self.size + dest  # [T, k]
+        unique_keys, slot_row = torch.unique(key.flatten(), return_inverse=True)
+        num_rows = len(unique_keys)
+        token_of = unique_keys // self.size
+        row_dest = unique_keys % self.size
+        ids = torch.full((num_rows, top_k), -1, dtype=expert_ids.dtype, device=x.device)
+        w = torch.zeros(num_rows, top_k, dtype=weights.dtype, device=x.device)
+        slot = torch.arange(top_k, device=x.device).repeat(x.shape[0])
+        ids[slot_row, slot] = expert_ids.flatten()
+        w[slot_row, slot] = weights.flatten()
+        dest_host, dest_local = row_dest // per, row_dest % per
+        # Shot 1, inside the host: to the rank with the destination's local index.
+        order1 = torch.argsort(dest_local, stable=True)
+        rows1, (ids1, w1, host1), back1 = _exchange(
+            x[token_of[order1]], [ids[order1], w[order1], dest_host[order1]],
+            torch.bincount(dest_local, minlength=per), self.intra,
+        )
+        # Shot 2, across hosts between peers: to the destination host.
+        order2 = torch.argsort(host1, stable=True)
+        counts2 = torch.bincount(host1, minlength=self.size // per)
+        rows2, (ids2, w2), back2 = _exchange(rows1[order2], [ids1[order2], w1[order2]], counts2, self.peers)
+        crossing = int(counts2.sum() - counts2[self._host_of(self.rank)])
+        self.cross_host_bytes += 2 * crossing * x.shape[1] * x.element_size()
+
+        def back(y):
+            y1 = torch.empty_like(rows1)
+            y1[order2] = back2(y)
+            y0 = torch.empty(num_rows, x.shape[1], dtype=x.dtype, device=x.device)
+            y0[order1] = back1(y1)
+            return y0
+
+        return rows2, ids2, w2, token_of, back

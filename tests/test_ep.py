@@ -1,0 +1,97 @@
+"""Expert parallelism on gloo ranks: against the single-rank result (checked against
+transformers by the model tests), transformers itself, and the flat all-to-all."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import hf_model
+from helpers import engine_logits, hf_greedy
+from ringserve import LLM, SamplingParams
+from ringserve.model import Experts
+from ringserve.parallel.ep import ExpertParallel, LocalExperts
+from ringserve.parallel.local_world import run_local_world
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+PROMPTS = [list(range(3, 40)), [5, 17, 42, 99, 3, 250, 7]]
+
+
+def outputs(folder, **kw):
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, timeout_s=60, **kw) as llm:
+        tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        logits = engine_logits(llm.engine, list(range(3, 40)), prefill=30)
+        experts_held = sum(
+            m.gate_proj.shape[0] for m in llm.engine.executor.worker.model.modules() if isinstance(m, Experts)
+        )
+    return tokens, logits, experts_held
+
+
+@pytest.mark.parametrize(
+    "arch,layout",
+    [
+        ("mixtral", dict(tp=2, ep=2)),  # attention TP over 2, experts spread over the same 2
+        ("mixtral", dict(tp=4, ep=4)),
+        ("qwen3_moe", dict(cp=2, ep=2)),
+        ("mixtral", dict(tp=2, cp=2, ep=4, ranks_per_host=2)),  # two hosts of 2: two-shot
+    ],
+)
+def test_ep_equals_single_rank_and_transformers(arch, layout, tiny_model_dir):
+    folder = tiny_model_dir(arch)
+    ref_tokens, ref_logits, all_experts = outputs(folder)
+    tokens, logits, held = outputs(folder, **layout)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert tokens == ref_tokens
+    assert tokens[1] == hf_greedy(hf_model(folder), PROMPTS[1], 16)
+    assert held == all_experts // layout["ep"]  # each rank loaded only its own experts
+
+
+def _experts(num_experts, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    e = Experts(num_experts, 16, 24)
+    with torch.no_grad():
+        for p in e.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return e
+
+
+def _ep_rank(rank, world_size, ranks_per_host, routing):
+    torch.manual_seed(0)
+    num_experts, top_k, tokens = 8, 2, 24
+    full = _experts(num_experts)
+    g = torch.Generator().manual_seed(100 + rank)  # every rank has its own tokens
+    x = torch.randn(tokens, 16, generator=g)
+    if routing == "skewed":  # every choice on rank 0's experts: the others receive nothing
+        ids = torch.stack([torch.zeros(tokens, dtype=torch.int64), torch.ones(tokens, dtype=torch.int64)], 1)
+    else:
+        ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
+    expected = LocalExperts(lambda y: y)(full, x, ids, w)
+    per = num_experts // world_size
+    mine = Experts(per, 16, 24)
+    with torch.no_grad():
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(mine, name).copy_(getattr(full, name)[rank * per : (rank + 1) * per])
+    flat = ExpertParallel(dist.group.WORLD, num_experts, ranks_per_host=ranks_per_host, two_shot=False)
+    two = ExpertParallel(dist.group.WORLD, num_experts, ranks_per_host=ranks_per_host, two_shot=True)
+    got_flat, got_two = flat(mine, x, ids, w), two(mine, x, ids, w)
+    return ((got_flat - expected).abs().max().item(), (got_two - expected).abs().max().item(),
+            flat.cross_host_bytes, two.cross_host_bytes)
+
+
+@pytest.mark.parametrize("routing", ["random", "skewed"])
+def test_two_shot_equals_flat_and_sends_less_across_hosts(routing):
+    results = run_local_world(_ep_rank, 4, 2, routing, timeout_s=60)
+    for err_flat, err_two, _, _ in results:
+        assert err_flat < 1e-5 and err_two < 1e-5
+    flat_bytes = sum(r[2] for r in results)
+    two_bytes = sum(r[3] for r in results)
+    assert 0 < two_bytes < flat_bytes
+    if routing == "skewed":
+        # Both choices of every token live on rank 0: flat sends two rows per token from the
+        # other host, two-shot one.
+        assert two_bytes * 2 == flat_bytes
+
+
+def test_ep_must_match_the_processes():
+    with pytest.raises(ValueError, match="ep=3 must equal tp=2"):
+        LLM(None, device="cpu", tp=2, ep=3)

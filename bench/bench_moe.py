@@ -22,7 +22,7 @@ from ringserve.config import ModelConfig, TPShard  # noqa: E402
 from ringserve.model import SparseMoeBlock  # noqa: E402
 from ringserve.parallel.ep import LocalExperts  # noqa: E402
 
-H, I, E, K = 4096, 14336, 8, 2
+H, INTER, E, K = 4096, 14336, 8, 2
 
 
 class _Ctx:
@@ -35,7 +35,7 @@ def build():
 
     cfg = MixtralConfig(
         hidden_size=H,
-        intermediate_size=I,
+        intermediate_size=INTER,
         num_local_experts=E,
         num_experts_per_tok=K,
         num_hidden_layers=1,
@@ -52,8 +52,8 @@ def build():
         ).to(torch.bfloat16)
     with torch.no_grad():
         ours.gate.weight.copy_(hf.gate.weight)
-        ours.experts.gate_proj.copy_(hf.experts.gate_up_proj[:, :I])
-        ours.experts.up_proj.copy_(hf.experts.gate_up_proj[:, I:])
+        ours.experts.gate_proj.copy_(hf.experts.gate_up_proj[:, :INTER])
+        ours.experts.up_proj.copy_(hf.experts.gate_up_proj[:, INTER:])
         ours.experts.down_proj.copy_(hf.experts.down_proj)
     return cfg, hf, ours
 
@@ -63,7 +63,7 @@ def main():
     info = machine_info()
     ceilings = measure_ceilings()
     cfg, hf, ours = build()
-    expert_bytes = 3 * H * I * 2
+    expert_bytes = 3 * H * INTER * 2
     rows = []
     print(
         f"{'tokens':>7s} {'ringserve':>10s} {'transformers':>13s} {'roofline':>9s} {'of roof':>8s} "
@@ -80,7 +80,7 @@ def main():
         if tokens <= 64:
             roof = (hit * expert_bytes + E * H * 2) / ceilings["copy_bytes_per_s"] * 1000
         else:
-            roof = 2 * tokens * K * 3 * H * I / ceilings["bf16_matmul_flops"] * 1000
+            roof = 2 * tokens * K * 3 * H * INTER / ceilings["bf16_matmul_flops"] * 1000
         rows.append(
             {
                 "tokens": tokens,

@@ -5,12 +5,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import hf_model
-from helpers import engine_logits, hf_greedy
 from ringserve import LLM, SamplingParams
 from ringserve.model import Experts
 from ringserve.parallel.ep import ExpertParallel, LocalExperts
 from ringserve.parallel.local_world import run_local_world
+
+from conftest import hf_model
+from helpers import engine_logits, hf_greedy
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 PROMPTS = [list(range(3, 40)), [5, 17, 42, 99, 3, 250, 7]]
@@ -74,8 +75,12 @@ def _ep_rank(rank, world_size, ranks_per_host, routing):
     flat = ExpertParallel(dist.group.WORLD, num_experts, ranks_per_host=ranks_per_host, two_shot=False)
     two = ExpertParallel(dist.group.WORLD, num_experts, ranks_per_host=ranks_per_host, two_shot=True)
     got_flat, got_two = flat(mine, x, ids, w), two(mine, x, ids, w)
-    return ((got_flat - expected).abs().max().item(), (got_two - expected).abs().max().item(),
-            flat.cross_host_bytes, two.cross_host_bytes)
+    return (
+        (got_flat - expected).abs().max().item(),
+        (got_two - expected).abs().max().item(),
+        flat.cross_host_bytes,
+        two.cross_host_bytes,
+    )
 
 
 @pytest.mark.parametrize("routing", ["random", "skewed"])

@@ -92,7 +92,11 @@ class ModelRunner:
         dev = self.device
         ring = RingAttention(self.cp_group, shares, step.cp_algo, self.scale, dev)
         ctx = RingAttentionContext(
-            self.kv_cache, new_slots.to(dev), torch.cat(share.k_slots).to(dev), ring, self.all_reduce,
+            self.kv_cache,
+            new_slots.to(dev),
+            torch.cat(share.k_slots).to(dev),
+            ring,
+            self.all_reduce,
             self.run_experts,
         )
         local_rows = self._rows.local_sample_rows(self.cp_rank)

@@ -56,8 +56,9 @@ class Worker:
         )
         self.all_reduce = AllReduce(groups.tp_group, allreduce, self.device)
         if groups.ep_size > 1:
-            self.run_experts = ExpertParallel(groups.ep_group, config.num_experts, groups.ep_replicated_group,
-                                              ranks_per_host)
+            self.run_experts = ExpertParallel(
+                groups.ep_group, config.num_experts, groups.ep_replicated_group, ranks_per_host
+            )
         else:
             self.run_experts = LocalExperts(self.all_reduce)
         ec = engine_config

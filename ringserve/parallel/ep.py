@@ -82,8 +82,14 @@ class ExpertParallel:
     ranks_per_host: EP ranks per host (host-major); below the group size, two-shot.
     """
 
-    def __init__(self, group, num_experts: int, replicated_group=None, ranks_per_host: int | None = None,
-                 two_shot: bool | None = None):
+    def __init__(
+        self,
+        group,
+        num_experts: int,
+        replicated_group=None,
+        ranks_per_host: int | None = None,
+        two_shot: bool | None = None,
+    ):
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -141,7 +147,10 @@ class ExpertParallel:
         token_of = order // top_k
         counts = torch.bincount(pairs_dest, minlength=self.size)
         rows, (ids, w), back = _exchange(
-            x[token_of], [expert_ids.flatten()[order, None], weights.flatten()[order, None]], counts, self.group
+            x[token_of],
+            [expert_ids.flatten()[order, None], weights.flatten()[order, None]],
+            counts,
+            self.group,
         )
         remote = int(counts.sum() - counts[self.per_host * self._host_of(self.rank) :][: self.per_host].sum())
         row_bytes = x.shape[1] * x.element_size()
@@ -167,8 +176,10 @@ class ExpertParallel:
         # Shot 1, inside the host: to the rank with the destination's local index.
         order1 = torch.argsort(dest_local, stable=True)
         rows1, (ids1, w1, host1), back1 = _exchange(
-            x[token_of[order1]], [ids[order1], w[order1], dest_host[order1]],
-            torch.bincount(dest_local, minlength=per), self.intra,
+            x[token_of[order1]],
+            [ids[order1], w[order1], dest_host[order1]],
+            torch.bincount(dest_local, minlength=per),
+            self.intra,
         )
         # Shot 2, across hosts between peers: to the destination host.
         order2 = torch.argsort(host1, stable=True)

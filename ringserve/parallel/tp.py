@@ -58,7 +58,10 @@ class TensorParallelPlan(ShardPlan):
             return (slice(None), self._rows(s.rank * s.intermediate_size, s.intermediate_size))
         # Stacked experts: the plan sees one expert's on-disk [I, H] or [H, I] tensor; under
         # expert parallelism experts are whole.
-        if param_name.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj")) and self.whole_experts:
+        if (
+            param_name.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj"))
+            and self.whole_experts
+        ):
             return None
         if param_name.endswith(("experts.gate_proj", "experts.up_proj")):
             return (self._rows(s.rank * s.moe_intermediate_size, s.moe_intermediate_size),)

@@ -29,6 +29,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="tensor-parallel allreduce: auto picks by message size from `ringserve bench allreduce`",
     )
     p.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=None,
+        help="EP ranks per host; an EP group spanning hosts uses the two-shot all-to-all "
+        "(default under torchrun: its LOCAL_WORLD_SIZE)",
+    )
+    p.add_argument(
         "--cp-algo",
         default="auto",
         choices=["auto", "pass_kv", "pass_q"],
@@ -144,6 +151,7 @@ def _generate(args) -> int:
             allreduce=args.allreduce,
             timeout_s=args.timeout,
             cp_algo=args.cp_algo,
+            ranks_per_host=args.ranks_per_host,
         )
     except (RingserveError, ValueError, NotImplementedError, MemoryError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -96,6 +96,10 @@ def torchrun_env() -> tuple[int, int, int] | None:
 
 
 def _join(spec: WorkerSpec, rank: int, world_size: int, local_rank: int, init_method: str) -> ParallelGroups:
+    if spec.parallel.ranks_per_host is None and "LOCAL_WORLD_SIZE" in os.environ:
+        # torchrun knows the hosts: an EP group spanning them goes two-shot.
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+        spec.parallel.ranks_per_host = local if local < world_size else None
     groups = init_groups(
         spec.parallel, rank, world_size, spec.device(local_rank), init_method, spec.timeout_s
     )

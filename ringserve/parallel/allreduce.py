@@ -17,13 +17,12 @@ all ranks get bit-identical results.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 
+from ringserve.measurements import load_measurement, save_measurement
 from ringserve.parallel.comm import all_gather_stacked
 
 logger = logging.getLogger(__name__)
@@ -39,37 +38,17 @@ DEFAULT_THRESHOLDS = {
 _SYMM_BUFFER_BYTES = 64 << 20
 
 
-def thresholds_path() -> str:
-    from ringserve.gguf_import import cache_root
-
-    return os.path.join(cache_root(), "allreduce_thresholds.json")
-
-
 def load_thresholds(device_type: str, world_size: int) -> dict:
     """Measured thresholds for this device type and world size, else the defaults."""
-    try:
-        with open(thresholds_path()) as f:
-            measured = json.load(f).get(device_type, {}).get(str(world_size))
-        if measured:
-            return measured
-    except (OSError, json.JSONDecodeError):
-        pass
+    measured = load_measurement("allreduce_thresholds", device_type, str(world_size))
+    if measured:
+        return measured
     nearest = min(DEFAULT_THRESHOLDS, key=lambda w: abs(w - world_size))
     return DEFAULT_THRESHOLDS[nearest]
 
 
 def save_thresholds(device_type: str, world_size: int, thresholds: dict) -> str:
-    path = thresholds_path()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        data = {}
-    data.setdefault(device_type, {})[str(world_size)] = thresholds
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
-    return path
+    return save_measurement("allreduce_thresholds", thresholds, device_type, str(world_size))
 
 
 class AllReduce:

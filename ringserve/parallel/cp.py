@@ -19,15 +19,14 @@ is padded to the largest rank's.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ringserve.attention import VarlenBatch, attention_with_lse, merge_partials
+from ringserve.measurements import load_measurement
 
 logger = logging.getLogger(__name__)
 
@@ -192,22 +191,13 @@ class CPCalibration:
 
     @classmethod
     def load(cls, device_type: str) -> CPCalibration:
-        try:
-            with open(calibration_path()) as f:
-                data = json.load(f).get(device_type)
-            if data:
-                return cls(**data)
-        except (OSError, json.JSONDecodeError, TypeError):
-            pass
+        """Measured by `ringserve bench cp-calibrate`, else defaults for the device type."""
+        measured = load_measurement("cp_calibration", device_type)
+        if measured:
+            return cls(**measured)
         if device_type == "cpu":
             return cls(attention_flops=20e9, link_bytes_per_s=2e9)
         return cls()
-
-
-def calibration_path() -> str:
-    from ringserve.gguf_import import cache_root
-
-    return os.path.join(cache_root(), "cp_calibration.json")
 
 
 def choose_cp_algo(

@@ -7,15 +7,14 @@ Stored per device type; `cp_algo=auto` reads them (CPCalibration.load).
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
 from ringserve.attention import _dense_block
-from ringserve.parallel.cp import CPCalibration, calibration_path
+from ringserve.measurements import save_measurement
+from ringserve.parallel.cp import CPCalibration
 from ringserve.parallel.local_world import run_local_world
 
 
@@ -68,15 +67,6 @@ def run(device_type: str, save: bool = True) -> CPCalibration:
     result = CPCalibration(attention_flops=flops, link_bytes_per_s=bandwidth)
     print(f"attention {flops / 1e12:.3f} TFLOP/s, ring hop {bandwidth / 1e9:.2f} GB/s ({device_type})")
     if save:
-        path = calibration_path()
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, json.JSONDecodeError):
-            data = {}
-        data[device_type] = {"attention_flops": flops, "link_bytes_per_s": bandwidth}
-        with open(path, "w") as f:
-            json.dump(data, f, indent=2)
-        print(f"saved to {path}")
+        value = {"attention_flops": flops, "link_bytes_per_s": bandwidth}
+        print(f"saved to {save_measurement('cp_calibration', value, device_type)}")
     return result

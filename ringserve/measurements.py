@@ -1,0 +1,45 @@
+"""Machine measurements the engine's choices use (allreduce bands, CP rates), stored as JSON
+under the cache folder (RINGSERVE_CACHE, default ~/.cache/ringserve), keyed by device type."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def measurement_path(name: str) -> str:
+    from ringserve.gguf_import import cache_root
+
+    return os.path.join(cache_root(), f"{name}.json")
+
+
+def load_measurement(name: str, *keys: str):
+    """The stored value under keys (e.g. device type, world size), or None."""
+    try:
+        with open(measurement_path(name)) as f:
+            value = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    for key in keys:
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
+def save_measurement(name: str, value, *keys: str) -> str:
+    """Store value under keys, keeping the file's other entries; returns the path."""
+    path = measurement_path(name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        data = {}
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    node[keys[-1]] = value
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    return path

@@ -61,61 +61,111 @@ def _runs(positions: torch.Tensor, base: int):
 
 
 def _plan_blocks(batch: VarlenBatch):
-    """Cut every sequence's queries and keys into runs of consecutive positions, and each
-    (query run, key run) pair into blocks that kernels run without a mask: ("full", ...)
-    where every query sees every key, ("causal", ...) for the same positions on both sides.
-    Keys after every query drop out. Entries: (kind, q_start, q_end, k_start, k_end)."""
+    """For every run of consecutive query positions: the keys every one of its queries sees
+    (positions before the run), and the keys on the run's own positions (a causal diagonal).
+
+    Entries: (q_start, q_end, full key indices or None, (k_start, k_end) or None); runs
+    whose keys fit neither shape (which the engine's layouts do not make) are ("masked", ...).
+    """
     plan = []
     qb, kb = batch.q_bounds, batch.k_bounds
     for i in range(len(qb) - 1):
         q_runs = _runs(batch.q_positions_host[qb[i] : qb[i + 1]], qb[i])
-        k_runs = _runs(batch.k_positions_host[kb[i] : kb[i + 1]], kb[i])
+        k_positions = batch.k_positions_host[kb[i] : kb[i + 1]]
         for q0, q1, qp in q_runs:
-            for k0, k1, kp in k_runs:
-                plan += _pair_blocks(q0, q1, qp, k0, k1, kp)
+            q_last = qp + (q1 - q0) - 1
+            before = torch.nonzero(k_positions < qp).flatten() + kb[i]
+            inside = torch.nonzero((k_positions >= qp) & (k_positions <= q_last)).flatten() + kb[i]
+            diagonal = None
+            if len(inside):
+                k0 = int(inside[0])
+                diagonal_positions = batch.k_positions_host[k0 : k0 + (q1 - q0)]
+                if len(inside) != q1 - q0 or not torch.equal(
+                    diagonal_positions, batch.q_positions_host[q0:q1]
+                ):
+                    plan.append(("masked", q0, q1, kb[i], kb[i + 1]))
+                    continue
+                diagonal = (k0, k0 + (q1 - q0))
+            full = None
+            if len(before):
+                first, last = int(before[0]), int(before[-1])
+                full = slice(first, last + 1) if last - first + 1 == len(before) else before
+            if full is not None or diagonal is not None:
+                plan.append((q0, q1, full, diagonal))
     return plan
 
 
-def _pair_blocks(q0, q1, qp, k0, k1, kp):
-    """Blocks of one query run (indices q0:q1, first position qp) against one key run."""
-    q_last, k_last = qp + (q1 - q0) - 1, kp + (k1 - k0) - 1
-    blocks = []
-    if kp > q_last:
-        return blocks
-    if kp < qp:  # keys before the first query: seen by every query
-        blocks.append(("full", q0, q1, k0, k0 + min(k_last, qp - 1) - kp + 1))
-    first, last = max(kp, qp), min(k_last, q_last)
-    if first <= last:
-        qi, ki = q0 + first - qp, k0 + first - kp
-        n = last - first + 1
-        blocks.append(("causal", qi, qi + n, ki, ki + n))  # the shared positions: a diagonal
-        if last < q_last:  # later queries see all of those keys
-            blocks.append(("full", qi + n, q1, ki, ki + n))
-    return blocks
-
-
 def _segmented(q, k, v, batch: VarlenBatch, scale: float):
-    """Arbitrary positions on CUDA: cuDNN on each unmasked block, merged by LSE.
+    """Arbitrary positions on CUDA: cuDNN on unmasked blocks, merged by LSE.
 
-    The ring's blocks are whole chunks of positions (zigzag prefill, cached blocks), so
-    there are few blocks per sequence, each fully visible or a causal diagonal: cuDNN's
-    fastest cases.
+    The ring's blocks are whole chunks of positions (zigzag prefill, cached blocks), so a
+    run of queries sees at most one fully visible block (its earlier keys, gathered into
+    one) and one causal diagonal (its own positions): cuDNN's fastest cases, one or two
+    calls a run.
     """
     if batch._plan is None:
         batch._plan = _plan_blocks(batch)
-    rows, outs, lses = [], [], []
-    for kind, q0, q1, k0, k1 in batch._plan:
-        out, lse = _dense_block(q[q0:q1], k[k0:k1], v[k0:k1], kind == "causal", scale)
-        rows.append(torch.arange(q0, q1, device=q.device))
-        outs.append(out)
-        lses.append(lse)
-    return _merge_rows(q, rows, outs, lses)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    for entry in batch._plan:
+        if entry[0] == "masked":
+            _, q0, q1, k0, k1 = entry
+            sub = VarlenBatch(
+                torch.tensor([0, q1 - q0]),
+                torch.tensor([0, k1 - k0]),
+                q1 - q0,
+                k1 - k0,
+                batch.q_positions[q0:q1],
+                batch.k_positions[k0:k1],
+                False,
+                [0, q1 - q0],
+                [0, k1 - k0],
+            )
+            out[q0:q1], lse[q0:q1] = _math_varlen(q[q0:q1], k[k0:k1], v[k0:k1], sub, scale)
+            continue
+        q0, q1, full, diagonal = entry
+        parts = []
+        if full is not None:
+            parts.append(_dense_block(q[q0:q1], k[full], v[full], False, scale))
+        if diagonal is not None:
+            d0, d1 = diagonal
+            parts.append(_dense_block(q[q0:q1], k[d0:d1], v[d0:d1], True, scale))
+        if len(parts) == 1:
+            out[q0:q1], lse[q0:q1] = parts[0]
+        else:
+            out[q0:q1], lse[q0:q1] = merge_partials([p[0] for p in parts], [p[1] for p in parts])
+    return out, lse
+
+
+_CUDNN_GQA: bool | None = None  # whether cuDNN takes fewer K/V heads than query heads
 
 
 def _dense_block(q, k, v, causal: bool, scale: float):
     """One block with no mask, or a causal diagonal: q [Lq, NH, D], k/v [Lk, NKV, D]."""
+    global _CUDNN_GQA
     group = q.shape[1] // k.shape[1]
     qs = q.transpose(0, 1).unsqueeze(0)
+    if q.is_cuda:
+        if _CUDNN_GQA is not False or group == 1:
+            try:
+                out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                    qs,
+                    k.transpose(0, 1).unsqueeze(0),
+                    v.transpose(0, 1).unsqueeze(0),
+                    None,
+                    True,
+                    0.0,
+                    causal,
+                    False,
+                    scale=scale,
+                )
+                if group > 1:
+                    _CUDNN_GQA = True
+                return out[0].transpose(0, 1), lse[0].reshape(q.shape[1], q.shape[0]).transpose(0, 1)
+            except RuntimeError:
+                if group == 1:
+                    raise
+                _CUDNN_GQA = False
     ks = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     vs = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     if q.is_cuda:
@@ -131,41 +181,11 @@ def _dense_block(q, k, v, causal: bool, scale: float):
     return out[0].transpose(0, 1), lse[0].reshape(q.shape[1], q.shape[0]).transpose(0, 1)
 
 
-def _merge_rows(q, rows, outs, lses):
-    """Merge partials of possibly repeated query rows by log-sum-exp (rows with none: 0, -inf)."""
-    num_rows, num_heads = q.shape[0], q.shape[1]
-    if not rows:
-        return torch.zeros_like(q), torch.full((num_rows, num_heads), float("-inf"), device=q.device)
-    index = torch.cat(rows)
-    lse = torch.cat(lses).float()
-    out = torch.cat(outs).float()
-    peak = torch.full((num_rows, num_heads), float("-inf"), device=q.device)
-    peak = peak.scatter_reduce(0, index.unsqueeze(-1).expand_as(lse), lse, "amax")
-    safe_peak = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
-    weight = torch.exp(lse - safe_peak[index])
-    total = torch.zeros_like(peak).index_add_(0, index, weight)
-    merged = torch.zeros(num_rows, num_heads, q.shape[2], device=q.device).index_add_(
-        0, index, out * weight.unsqueeze(-1)
-    )
-    merged = merged / total.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)
-    return merged.to(q.dtype), safe_peak + torch.log(total)
-
-
 def _cudnn_per_sequence(q, k, v, bounds: list[int], scale: float):
-    group = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     for start, end in zip(bounds[:-1], bounds[1:]):
-        # [L, H, D] -> [1, H, L, D] views; K/V heads repeated for grouped-query attention.
-        qs = q[start:end].transpose(0, 1).unsqueeze(0)
-        ks = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-        vs = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-        seq_out, seq_lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            qs, ks, vs, None, True, 0.0, True, False, scale=scale
-        )
-        out[start:end] = seq_out[0].transpose(0, 1)
-        # lse: [1, H, L], or [1, H, L, 1] in some versions
-        lse[start:end] = seq_lse[0].reshape(q.shape[1], end - start).transpose(0, 1)
+        out[start:end], lse[start:end] = _dense_block(q[start:end], k[start:end], v[start:end], True, scale)
     return out, lse
 
 

@@ -100,3 +100,10 @@ def test_two_shot_equals_flat_and_sends_less_across_hosts(routing):
 def test_ep_must_match_the_processes():
     with pytest.raises(ValueError, match="ep=3 must equal tp=2"):
         LLM(None, device="cpu", tp=2, ep=3)
+
+
+def test_ep_needs_experts_that_divide(tiny_model_dir):
+    with pytest.raises(ValueError, match="ep=2 needs a mixture-of-experts model"):
+        LLM(tiny_model_dir("llama"), device="cpu", tp=2, ep=2)
+    with pytest.raises(ValueError, match="has 6 experts"):
+        LLM(tiny_model_dir("qwen3_moe"), device="cpu", tp=4, ep=4)

@@ -85,8 +85,16 @@ class LLMEngine:
         self.model_path = resolve_model_path(model)
         self.device = resolve_device(device)
         self.model_config = config = ModelConfig.from_pretrained(self.model_path)
+        # Refuse what cannot work before any process starts or any weight is read.
+        if cp_algo not in CP_ALGOS:
+            raise ValueError(f"unknown cp_algo {cp_algo!r}; choose one of {', '.join(CP_ALGOS)}")
         if parallel.tp > 1:
-            validate_tp(config, parallel.tp)  # before any process starts or weight is read
+            validate_tp(config, parallel.tp)
+        if parallel.ep > 1 and (not config.is_moe or config.num_experts % parallel.ep):
+            raise ValueError(
+                f"ep={parallel.ep} needs a mixture-of-experts model whose experts divide evenly; "
+                f"{config.architecture} has {config.num_experts} experts"
+            )
         self.dtype = resolve_dtype(dtype, config.dtype, self.device)
         self.max_model_len = ec.max_model_len or config.max_position_embeddings
         spec = WorkerSpec(
@@ -111,8 +119,6 @@ class LLMEngine:
             self.executor = LocalExecutor(spec, self.device, show_progress, weights)
         self.tokenizer = _load_tokenizer(self.model_path)
         self.eos_token_ids = _eos_token_ids(self.model_path, config, self.tokenizer)
-        if cp_algo not in CP_ALGOS:
-            raise ValueError(f"unknown cp_algo {cp_algo!r}; choose one of {', '.join(CP_ALGOS)}")
         self.cp_algo = cp_algo
         self.cp_calibration = CPCalibration.load(self.device.type)
         num_blocks = self.executor.num_blocks * parallel.cp  # each CP rank has its own pool

@@ -40,8 +40,6 @@ class Worker:
         self.groups = groups
         self.device = groups.device
         validate_tp(config, groups.tp_size)
-        if groups.ep_size > 1 and config.num_experts % groups.ep_size:
-            raise ValueError(f"{config.num_experts} experts cannot be spread over ep={groups.ep_size} ranks")
         shard = TPShard.of(config, groups.tp_rank, groups.tp_size, groups.ep_rank, groups.ep_size)
         plan = TensorParallelPlan(config, shard) if groups.tp_size > 1 or groups.ep_size > 1 else None
         self.model = load_model(

@@ -90,6 +90,11 @@ class LLMEngine:
             raise ValueError(f"unknown cp_algo {cp_algo!r}; choose one of {', '.join(CP_ALGOS)}")
         if parallel.tp > 1:
             validate_tp(config, parallel.tp)
+        gpus = torch.cuda.device_count() if self.device.type == "cuda" else 0
+        if self.device.type == "cuda" and torchrun_env() is None and parallel.world_size > gpus:
+            raise ValueError(
+                f"tp x cp = {parallel.world_size} ranks need as many GPUs; this machine has {gpus}"
+            )
         if parallel.ep > 1 and (not config.is_moe or config.num_experts % parallel.ep):
             raise ValueError(
                 f"ep={parallel.ep} needs a mixture-of-experts model whose experts divide evenly; "

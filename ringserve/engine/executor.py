@@ -224,6 +224,11 @@ class MultiprocessExecutor:
                 how = (
                     f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
                 )
+                if code == 1 and when == "while starting":
+                    how += (
+                        " before reporting (ranks start by importing the main script: start "
+                        'ringserve under `if __name__ == "__main__":`)'
+                    )
                 dead.append(f"rank {rank} (pid {proc.pid}) {how}")
         reasons = dead + [f"rank {r} failed: {m}" for r, m in sorted(errors.items())]
         if not reasons and "timed out" in str(cause).lower():

@@ -234,3 +234,13 @@ def test_stream_yields_each_token(llama):
         stream.close()
         assert not llm.engine.has_unfinished()
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_token_slice_equals_slicing_all_tokens():
+    from ringserve.engine.sequence import Sequence
+
+    seq = Sequence("s", [1, 2, 3, 4], SamplingParams())
+    seq.output_token_ids = [5, 6, 7]
+    for start in range(8):
+        for end in range(start, 8):
+            assert seq.token_slice(start, end) == seq.token_ids[start:end]

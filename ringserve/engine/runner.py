@@ -30,7 +30,7 @@ class StepInput:
         token_ids, starts, tables, sample = [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
-            token_ids.append(seq.token_ids[start : start + n])
+            token_ids.append(seq.token_slice(start, start + n))
             starts.append(start)
             tables.append(list(seq.block_table))
             sample.append(start + n == seq.num_tokens)

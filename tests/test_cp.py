@@ -181,3 +181,24 @@ def test_auto_uses_pass_kv_for_prefill_and_pass_q_for_decode(tiny_model_dir, ref
     decisions = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cp step")]
     assert decisions[0] == "cp step: 101 new, 0 cached tokens over 2 ranks -> pass_kv"
     assert decisions[1] == "cp step: 1 new, 101 cached tokens over 2 ranks -> pass_q"
+
+
+@pytest.mark.parametrize("algo", ["pass_kv", "pass_q"])
+def test_chunked_prefill_and_preemption_under_cp(algo, tiny_model_dir, reference):
+    """Prompts prefilled 18 tokens a step (chunks end inside blocks), and so few blocks
+    per rank that sequences are preempted and recomputed: the same tokens."""
+    ref_long, ref_batch, _ = reference("llama")
+    with LLM(
+        tiny_model_dir("llama"),
+        device="cpu",
+        dtype="float32",
+        block_size=BS,
+        cp=2,
+        cp_algo=algo,
+        max_num_batched_tokens=18,
+        num_blocks=20,
+        max_model_len=160,
+    ) as llm:
+        assert llm.generate([LONG], GREEDY)[0].token_ids == ref_long
+        assert [o.token_ids for o in llm.generate(VARSEQ, GREEDY)] == ref_batch
+        assert llm.engine.num_preemptions > 0

@@ -35,6 +35,22 @@ class VarlenBatch:
     q_positions_host: torch.Tensor | None = None
     k_positions_host: torch.Tensor | None = None
     _plan: list | None = None  # the block plan of _segmented, made once per batch
+    _all_visible: bool | None = None  # every query sees every key of its sequence
+
+    def all_visible(self) -> bool:
+        """Whether no mask is needed at all: in each sequence with queries there are keys,
+        and none comes after a query (decode steps of the ring; keys all before the queries)."""
+        if self._all_visible is None:
+            qb, kb = self.q_bounds, self.k_bounds
+            qp, kp = self.q_positions_host, self.k_positions_host
+            self._all_visible = all(
+                qb[i + 1] == qb[i]
+                or (
+                    kb[i + 1] > kb[i] and int(kp[kb[i] : kb[i + 1]].max()) <= int(qp[qb[i] : qb[i + 1]].min())
+                )
+                for i in range(len(qb) - 1)
+            )
+        return self._all_visible
 
 
 def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float):
@@ -46,6 +62,8 @@ def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float):
             return _cudnn_per_sequence(q, k, v, batch.q_bounds, scale)
         return _flash_varlen(q, k, v, batch, scale)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and batch.q_positions_host is not None:
+        if batch.all_visible():  # e.g. a decode step of the ring: one unmasked varlen call
+            return _flash_varlen(q, k, v, batch, scale, causal=False)
         return _segmented(q, k, v, batch, scale)
     return _math_varlen(q, k, v, batch, scale)
 
@@ -189,7 +207,7 @@ def _cudnn_per_sequence(q, k, v, bounds: list[int], scale: float):
     return out, lse
 
 
-def _flash_varlen(q, k, v, batch: VarlenBatch, scale: float):
+def _flash_varlen(q, k, v, batch: VarlenBatch, scale: float, causal: bool = True):
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
         q,
         k,
@@ -199,7 +217,7 @@ def _flash_varlen(q, k, v, batch: VarlenBatch, scale: float):
         batch.max_seqlen_q,
         batch.max_seqlen_k,
         0.0,
-        True,  # bottom-right aligned causal mask
+        causal,  # bottom-right aligned when causal
         False,
         scale=scale,
     )

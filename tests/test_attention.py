@@ -127,3 +127,19 @@ def test_block_plan_of_ring_layouts_matches_the_math_path():
     # Only the odd overlap (keys starting inside the query run) needs a mask; the zigzag
     # chunks, the cached prefix and the decode tail run as unmasked blocks.
     assert len(masked) == 1 and masked[0][1] == len(q0) + 1
+
+
+def test_all_visible_detects_layouts_that_need_no_mask():
+    def batch(q_pos, k_pos):
+        cu_q = torch.tensor([0, *torch.tensor([len(p) for p in q_pos]).cumsum(0).tolist()], dtype=torch.int32)
+        cu_k = torch.tensor([0, *torch.tensor([len(p) for p in k_pos]).cumsum(0).tolist()], dtype=torch.int32)
+        qp, kp = torch.cat(q_pos), torch.cat(k_pos)
+        return VarlenBatch(cu_q, cu_k, 1, 1, qp, kp, False, cu_q.tolist(), cu_k.tolist(), qp, kp)
+
+    none = torch.tensor([], dtype=torch.int64)
+    # Decode step: each query sees every key of its sequence (its own position included).
+    assert batch([torch.tensor([9]), none], [torch.arange(10), torch.arange(4)]).all_visible()
+    # Prefill chunk over its own keys: causal, needs a mask.
+    assert not batch([torch.arange(4, 8)], [torch.arange(8)]).all_visible()
+    # A query with no key here: leave it to the block path (out 0, lse -inf).
+    assert not batch([torch.tensor([3])], [none]).all_visible()

@@ -35,22 +35,21 @@ class VarlenBatch:
     q_positions_host: torch.Tensor | None = None
     k_positions_host: torch.Tensor | None = None
     _plan: list | None = None  # the block plan of _segmented, made once per batch
-    _all_visible: bool | None = None  # every query sees every key of its sequence
+    _decode_shaped: bool | None = None
 
-    def all_visible(self) -> bool:
-        """Whether no mask is needed at all: in each sequence with queries there are keys,
-        and none comes after a query (decode steps of the ring; keys all before the queries)."""
-        if self._all_visible is None:
+    def decode_shaped(self) -> bool:
+        """Whether every sequence has one query and some keys, none after it: then the
+        bottom-right causal mask of the fused varlen kernel is exactly the mask needed."""
+        if self._decode_shaped is None:
             qb, kb = self.q_bounds, self.k_bounds
             qp, kp = self.q_positions_host, self.k_positions_host
-            self._all_visible = all(
-                qb[i + 1] == qb[i]
-                or (
-                    kb[i + 1] > kb[i] and int(kp[kb[i] : kb[i + 1]].max()) <= int(qp[qb[i] : qb[i + 1]].min())
-                )
+            self._decode_shaped = all(
+                qb[i + 1] - qb[i] == 1
+                and kb[i + 1] > kb[i]
+                and int(kp[kb[i] : kb[i + 1]].max()) <= int(qp[qb[i]])
                 for i in range(len(qb) - 1)
             )
-        return self._all_visible
+        return self._decode_shaped
 
 
 def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float):
@@ -62,8 +61,8 @@ def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float):
             return _cudnn_per_sequence(q, k, v, batch.q_bounds, scale)
         return _flash_varlen(q, k, v, batch, scale)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and batch.q_positions_host is not None:
-        if batch.all_visible():  # e.g. a decode step of the ring: one unmasked varlen call
-            return _flash_varlen(q, k, v, batch, scale, causal=False)
+        if batch.decode_shaped():  # a ring step of batch-1 decode: one fused varlen call
+            return _flash_varlen(q, k, v, batch, scale)
         return _segmented(q, k, v, batch, scale)
     return _math_varlen(q, k, v, batch, scale)
 
@@ -207,7 +206,7 @@ def _cudnn_per_sequence(q, k, v, bounds: list[int], scale: float):
     return out, lse
 
 
-def _flash_varlen(q, k, v, batch: VarlenBatch, scale: float, causal: bool = True):
+def _flash_varlen(q, k, v, batch: VarlenBatch, scale: float):
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
         q,
         k,
@@ -217,7 +216,7 @@ def _flash_varlen(q, k, v, batch: VarlenBatch, scale: float, causal: bool = True
         batch.max_seqlen_q,
         batch.max_seqlen_k,
         0.0,
-        causal,  # bottom-right aligned when causal
+        True,  # bottom-right aligned causal mask
         False,
         scale=scale,
     )

@@ -129,7 +129,7 @@ def test_block_plan_of_ring_layouts_matches_the_math_path():
     assert len(masked) == 1 and masked[0][1] == len(q0) + 1
 
 
-def test_all_visible_detects_layouts_that_need_no_mask():
+def test_decode_shaped_steps_are_recognised():
     def batch(q_pos, k_pos):
         cu_q = torch.tensor([0, *torch.tensor([len(p) for p in q_pos]).cumsum(0).tolist()], dtype=torch.int32)
         cu_k = torch.tensor([0, *torch.tensor([len(p) for p in k_pos]).cumsum(0).tolist()], dtype=torch.int32)
@@ -137,9 +137,10 @@ def test_all_visible_detects_layouts_that_need_no_mask():
         return VarlenBatch(cu_q, cu_k, 1, 1, qp, kp, False, cu_q.tolist(), cu_k.tolist(), qp, kp)
 
     none = torch.tensor([], dtype=torch.int64)
-    # Decode step: each query sees every key of its sequence (its own position included).
-    assert batch([torch.tensor([9]), none], [torch.arange(10), torch.arange(4)]).all_visible()
-    # Prefill chunk over its own keys: causal, needs a mask.
-    assert not batch([torch.arange(4, 8)], [torch.arange(8)]).all_visible()
-    # A query with no key here: leave it to the block path (out 0, lse -inf).
-    assert not batch([torch.tensor([3])], [none]).all_visible()
+    # One query per sequence, every key at or before it: the fused kernel's mask is exact.
+    assert batch([torch.tensor([9]), torch.tensor([3])], [torch.arange(10), torch.arange(2)]).decode_shaped()
+    # A prefill chunk over its own keys, a sequence whose query is on another rank, a query
+    # with no key here: the block path.
+    assert not batch([torch.arange(4, 8)], [torch.arange(8)]).decode_shaped()
+    assert not batch([torch.tensor([9]), none], [torch.arange(10), torch.arange(4)]).decode_shaped()
+    assert not batch([torch.tensor([3])], [none]).decode_shaped()

@@ -32,7 +32,7 @@ class StepInput:
             start = seq.num_computed_tokens
             token_ids.append(seq.token_slice(start, start + n))
             starts.append(start)
-            tables.append(list(seq.block_table))
+            tables.append(seq.block_table)  # read within this step, before the scheduler changes it
             sample.append(start + n == seq.num_tokens)
         return cls(token_ids, starts, tables, sample)
 

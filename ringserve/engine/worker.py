@@ -112,7 +112,3 @@ class Worker:
 
     def execute(self, step: StepInput, all_logits: bool = False) -> torch.Tensor:
         return self.runner.forward(step, all_logits)
-
-    @property
-    def resident_parameter_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())

@@ -109,10 +109,9 @@ class RingAttention:
         self.shares = shares
         self.algo = algo
         self.scale = scale
-        self.mine = shares[self.rank]
-        # [attending rank][key rank] -> metadata, built once per step for all layers.
-        self._batches = {}
         self.device = device
+        # (query rank, key rank) -> attention metadata, built once per step for all layers.
+        self._batches = {}
 
     def _batch(self, q_rank: int, k_rank: int) -> VarlenBatch:
         key = (q_rank, k_rank)

@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, "tests")
 from ringserve import LLM, SamplingParams  # noqa: E402
-from ringserve.attention import VarlenBatch, _math_varlen, attention_with_lse  # noqa: E402
+from ringserve.attention import VarlenBatch, _math_varlen, _segmented, attention_with_lse  # noqa: E402
 from ringserve.engine.engine import LLMEngine  # noqa: E402
 
 from conftest import ARCHITECTURES, hf_model, save_tiny_model  # noqa: E402
@@ -46,51 +46,16 @@ def check_attention():
         assert e_out < 2e-2 and e_lse < 2e-2, name
 
 
-def check_ring_blocks():
-    """The ring's block path (cuDNN per unmasked block) against the masked math path."""
-    from ringserve.attention import _math_varlen, _segmented
-
-    nh, nkv, d = 32, 8, 128
-    q_pos = [torch.cat([torch.arange(1024, 1536), torch.arange(3584, 4096)]), torch.tensor([777])]
-    k_pos = [
-        torch.cat([torch.arange(0, 512), torch.arange(1024, 1536), torch.arange(3072, 4096)]),
-        torch.arange(768, 778),
-    ]
-    cu_q = torch.tensor([0, len(q_pos[0]), len(q_pos[0]) + 1], dtype=torch.int32)
-    cu_k = torch.tensor([0, len(k_pos[0]), len(k_pos[0]) + len(k_pos[1])], dtype=torch.int32)
-    qp, kp = torch.cat(q_pos), torch.cat(k_pos)
-    batch = VarlenBatch(
-        cu_q.cuda(),
-        cu_k.cuda(),
-        1024,
-        2048,
-        qp.cuda(),
-        kp.cuda(),
-        False,
-        cu_q.tolist(),
-        cu_k.tolist(),
-        qp,
-        kp,
-    )
-    q = torch.randn(len(qp), nh, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(len(kp), nkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(len(kp), nkv, d, device="cuda", dtype=torch.bfloat16)
-    out, lse = _segmented(q, k, v, batch, d**-0.5)
-    ref_out, ref_lse = _math_varlen(q, k, v, batch, d**-0.5)
-    e_out, e_lse = rel(out, ref_out), (lse - ref_lse).abs().max().item()
-    print(f"ring blocks (cuDNN) out rel err {e_out:.1e}  lse max abs err {e_lse:.1e}")
-    assert e_out < 2e-2 and e_lse < 2e-2
-    # A decode step of the ring: one token per sequence, every key at or before it.
-    q_pos = [torch.tensor([900]), torch.tensor([40])]
-    k_pos = [torch.cat([torch.arange(0, 256), torch.arange(512, 900 + 1)]), torch.arange(0, 41)]
-    cu_q = torch.tensor([0, 1, 2], dtype=torch.int32)
+def _positions_batch(q_pos: list, k_pos: list) -> VarlenBatch:
+    """Packed sequences with the given query and key positions (host copies kept)."""
+    cu_q = torch.tensor([0, *torch.tensor([len(p) for p in q_pos]).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor([len(p) for p in k_pos]).cumsum(0).tolist()], dtype=torch.int32)
     qp, kp = torch.cat(q_pos), torch.cat(k_pos)
-    batch = VarlenBatch(
+    return VarlenBatch(
         cu_q.cuda(),
         cu_k.cuda(),
-        1,
-        len(k_pos[0]),
+        max(len(p) for p in q_pos),
+        max(len(p) for p in k_pos),
         qp.cuda(),
         kp.cuda(),
         False,
@@ -99,15 +64,38 @@ def check_ring_blocks():
         qp,
         kp,
     )
-    assert batch.decode_shaped()
-    q = torch.randn(len(qp), nh, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(len(kp), nkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(len(kp), nkv, d, device="cuda", dtype=torch.bfloat16)
-    out, lse = attention_with_lse(q, k, v, batch, d**-0.5)
+
+
+def _check_against_math(name: str, batch: VarlenBatch, attend) -> None:
+    nh, nkv, d = 32, 8, 128
+    q = torch.randn(len(batch.q_positions_host), nh, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(len(batch.k_positions_host), nkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(len(batch.k_positions_host), nkv, d, device="cuda", dtype=torch.bfloat16)
+    out, lse = attend(q, k, v, batch, d**-0.5)
     ref_out, ref_lse = _math_varlen(q, k, v, batch, d**-0.5)
     e_out, e_lse = rel(out, ref_out), (lse - ref_lse).abs().max().item()
-    print(f"ring decode step (flash varlen) out rel err {e_out:.1e}  lse max abs err {e_lse:.1e}")
-    assert e_out < 2e-2 and e_lse < 2e-2
+    print(f"{name} out rel err {e_out:.1e}  lse max abs err {e_lse:.1e}")
+    assert e_out < 2e-2 and e_lse < 2e-2, name
+
+
+def check_ring_blocks():
+    """The ring's attention paths against the masked math path."""
+    # Zigzag chunks with a cached prefix, and a decode token over its block: cuDNN blocks.
+    batch = _positions_batch(
+        [torch.cat([torch.arange(1024, 1536), torch.arange(3584, 4096)]), torch.tensor([777])],
+        [
+            torch.cat([torch.arange(0, 512), torch.arange(1024, 1536), torch.arange(3072, 4096)]),
+            torch.arange(768, 778),
+        ],
+    )
+    _check_against_math("ring blocks (cuDNN)", batch, _segmented)
+    # A decode step of the ring: one token per sequence, every key at or before it.
+    batch = _positions_batch(
+        [torch.tensor([900]), torch.tensor([40])],
+        [torch.cat([torch.arange(0, 256), torch.arange(512, 900 + 1)]), torch.arange(0, 41)],
+    )
+    assert batch.decode_shaped()
+    _check_against_math("ring decode step (flash varlen)", batch, attention_with_lse)
 
 
 def check_models():

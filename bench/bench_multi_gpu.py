@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -38,12 +37,7 @@ from ringserve.model import Experts  # noqa: E402
 from ringserve.parallel.allreduce import AllReduce, save_thresholds  # noqa: E402
 from ringserve.parallel.allreduce_bench import ALGORITHMS, thresholds_from  # noqa: E402
 from ringserve.parallel.ep import ExpertParallel  # noqa: E402
-from ringserve.parallel.local_world import run_local_world  # noqa: E402
-
-
-def _sync(device_type):
-    if device_type == "cuda":
-        torch.cuda.synchronize()
+from ringserve.parallel.local_world import collective_latency_us, run_local_world  # noqa: E402
 
 
 def _allreduce_rank(rank, world, sizes, device_type, iters):
@@ -68,19 +62,7 @@ def _allreduce_rank(rank, world, sizes, device_type, iters):
                     op(x)
                 modes["graph"] = graph.replay
             for mode, fn in modes.items():
-                for _ in range(3):
-                    fn()
-                times = []
-                for _ in range(iters):
-                    dist.barrier()
-                    _sync(device_type)
-                    start = time.perf_counter()
-                    fn()
-                    _sync(device_type)
-                    times.append(time.perf_counter() - start)
-                t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                out[(nbytes, name, mode)] = t.item() * 1e6
+                out[(nbytes, name, mode)] = collective_latency_us(fn, iters, device_type)
     return out
 
 
@@ -199,19 +181,9 @@ def _ep_rank(rank, world, tokens_list, device_type, hidden, iters):
             x = torch.randn(tokens, hidden, device=device, dtype=dtype)
             ids = torch.stack([torch.randperm(num_experts, device=device)[:2] for _ in range(tokens)])
             w = torch.full((tokens, 2), 0.5, device=device, dtype=dtype)
-            for _ in range(3):
-                ep(experts, x, ids, w)
-            times = []
-            for _ in range(iters):
-                dist.barrier()
-                _sync(device_type)
-                start = time.perf_counter()
-                ep(experts, x, ids, w)
-                _sync(device_type)
-                times.append(time.perf_counter() - start)
-            t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            out[("two_shot" if two_shot else "flat", tokens)] = t.item() * 1e6
+            out[("two_shot" if two_shot else "flat", tokens)] = collective_latency_us(
+                lambda x=x, ids=ids, w=w, ep=ep: ep(experts, x, ids, w), iters, device_type
+            )
     return out
 
 

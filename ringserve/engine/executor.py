@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,6 @@ class WorkerSpec:
     device_type: str
     allreduce: str = "auto"
     timeout_s: float = 60.0
-    extra: dict = field(default_factory=dict)
 
     def device(self, local_rank: int) -> torch.device:
         return torch.device(f"cuda:{local_rank}") if self.device_type == "cuda" else torch.device("cpu")

@@ -3,14 +3,11 @@ ranks, print the table, and store the thresholds that `auto` then uses."""
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.distributed as dist
 
 from ringserve.parallel.allreduce import AllReduce, save_thresholds
-from ringserve.parallel.local_world import run_local_world
+from ringserve.parallel.local_world import collective_latency_us, run_local_world
 
 ALGORITHMS = ("torch", "one_shot", "two_shot")
 DEFAULT_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -26,22 +23,7 @@ def _time_rank(rank: int, world_size: int, sizes: list[int], iters: int, device_
             max(1, nbytes // torch.empty((), dtype=dtype).element_size()), dtype=dtype, device=device
         )
         for name, op in ops.items():
-            for _ in range(3):
-                op(x)
-            times = []
-            for _ in range(iters):
-                dist.barrier()
-                if device_type == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                op(x)
-                if device_type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            # A collective ends when its slowest rank ends.
-            t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            results[(nbytes, name)] = t.item() * 1e6
+            results[(nbytes, name)] = collective_latency_us(lambda op=op, x=x: op(x), iters, device_type)
     return results
 
 

@@ -82,3 +82,28 @@ def run_local_world(fn, world_size: int, *args, device_type: str = "cpu", timeou
                 p.kill()
                 p.join()
     return [values[r] for r in range(world_size)]
+
+
+def collective_latency_us(fn, iters: int, device_type: str, warmup: int = 3) -> float:
+    """Median latency of fn() in microseconds on the slowest rank (a collective ends when
+    its last rank does); every rank of the default group must call it together."""
+    import statistics
+    import time
+
+    def sync():
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item() * 1e6

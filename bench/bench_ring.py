@@ -3,7 +3,7 @@
   python bench/bench_ring.py     # writes $OUT/bench_ring.json and prints two tables
 
 1. Kernel efficiency: for 8K..128K tokens (Llama-3-8B heads: 32 query, 8 KV, dim 128, bf16),
-   all N x N ring steps of a zigzag CP4 prefill, each through the engine's attention op
+   all N x N ring steps of a zigzag prefill over N = 2, 4, 8 ranks, each through the engine's attention op
    (`attention_with_lse` on per-rank shares, with LSE, plus the merge), timed back to back on
    one GPU, against one cuDNN causal call over the whole sequence: the same useful work.
 2. Ring model: for N = 2, 4, 8 and 128K..1M tokens, each rank's N partial-attention steps
@@ -22,8 +22,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import event_time_ms, machine_info, measure_ceilings, write_json  # noqa: E402
 
-from ringserve.attention import _dense_block, attention_with_lse, merge_partials  # noqa: E402
+from ringserve.attention import _dense_block, attention_with_lse  # noqa: E402
 from ringserve.engine.block_manager import place_blocks  # noqa: E402
+from ringserve.lse_merge import merge_partials  # noqa: E402
 from ringserve.parallel.cp import split_step  # noqa: E402
 
 NH, NKV, D, LAYERS = 32, 8, 128, 32
@@ -58,31 +59,43 @@ def step_fn(shares, qs, ks, vs, rank, src):
     return lambda: attention_with_lse(qs[rank], ks[src], vs[src], batch, D**-0.5)
 
 
-def kernel_efficiency(tokens: int, n: int = 4) -> dict:
+def kernel_efficiency(tokens: int, cps=(2, 4, 8)) -> list[dict]:
     causal_flops = 2 * tokens * tokens * NH * D  # 4 * (T^2 / 2) * NH * D: useful causal work
     q = torch.randn(tokens, NH, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(tokens, NKV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(tokens, NKV, D, device="cuda", dtype=torch.bfloat16)
     cudnn_ms = event_time_ms(lambda: _dense_block(q, k, v, True, D**-0.5), warmup=2, reps=5)
-    shares = shares_for(tokens, n)
-    qs, ks, vs = ring_inputs(shares, "cuda")
-    steps = [step_fn(shares, qs, ks, vs, r, (r - j) % n) for r in range(n) for j in range(n)]
+    rows = []
+    for n in cps:
+        shares = shares_for(tokens, n)
+        qs, ks, vs = ring_inputs(shares, "cuda")
+        steps = [step_fn(shares, qs, ks, vs, r, (r - j) % n) for r in range(n) for j in range(n)]
+        calls = sum(
+            len(g)
+            for r in range(n)
+            for j in range(n)
+            for g in shares[r].varlen(shares[j], "cpu").plan().groups
+        )
 
-    def whole_ring():
-        for r in range(n):
-            parts = [steps[r * n + j]() for j in range(n)]
-            merge_partials([p[0] for p in parts], [p[1] for p in parts])
+        def whole_ring(steps=steps, n=n):
+            for r in range(n):
+                parts = [steps[r * n + j]() for j in range(n)]
+                merge_partials([p[0] for p in parts], [p[1] for p in parts])
 
-    ring_ms = event_time_ms(whole_ring, warmup=1, reps=3)
-    return {
-        "tokens": tokens,
-        "cp": n,
-        "cudnn_causal_ms": cudnn_ms,
-        "ring_ms": ring_ms,
-        "cudnn_tflops": causal_flops / cudnn_ms / 1e9,
-        "ring_tflops": causal_flops / ring_ms / 1e9,
-        "ring_over_cudnn": cudnn_ms / ring_ms,
-    }
+        ring_ms = event_time_ms(whole_ring, warmup=2, reps=5)
+        rows.append(
+            {
+                "tokens": tokens,
+                "cp": n,
+                "dense_calls": calls,
+                "cudnn_causal_ms": cudnn_ms,
+                "ring_ms": ring_ms,
+                "cudnn_tflops": causal_flops / cudnn_ms / 1e9,
+                "ring_tflops": causal_flops / ring_ms / 1e9,
+                "ring_over_cudnn": cudnn_ms / ring_ms,
+            }
+        )
+    return rows
 
 
 def ring_model(tokens: int, n: int, matmul_flops: float) -> dict:
@@ -116,16 +129,18 @@ def main():
     print(info, f"matmul {ceilings['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s", flush=True)
     kernels = []
     print(
-        f"{'tokens':>8s} {'cuDNN causal':>13s} {'ring path':>10s} {'TFLOP/s cuDNN':>14s} {'ring':>6s} {'ratio':>6s}"
+        f"{'tokens':>8s} {'cp':>3s} {'calls':>6s} {'cuDNN causal':>13s} {'ring path':>10s} {'TFLOP/s cuDNN':>14s} "
+        f"{'ring':>6s} {'ratio':>6s}"
     )
     for tokens in (8192, 16384, 32768, 65536, 131072):
-        row = kernel_efficiency(tokens)
-        kernels.append(row)
-        print(
-            f"{tokens:8d} {row['cudnn_causal_ms']:11.2f}ms {row['ring_ms']:8.2f}ms {row['cudnn_tflops']:14.0f} "
-            f"{row['ring_tflops']:6.0f} {row['ring_over_cudnn']:6.2f}",
-            flush=True,
-        )
+        for row in kernel_efficiency(tokens):
+            kernels.append(row)
+            print(
+                f"{tokens:8d} {row['cp']:3d} {row['dense_calls']:6d} {row['cudnn_causal_ms']:11.2f}ms "
+                f"{row['ring_ms']:8.2f}ms {row['cudnn_tflops']:14.0f} {row['ring_tflops']:6.0f} "
+                f"{row['ring_over_cudnn']:6.2f}",
+                flush=True,
+            )
     models = []
     print(
         f"\n{'tokens':>8s} {'cp':>3s} {'attn/layer':>11s} {'xfer/step':>10s} {'balance':>8s} {'TTFT (pred)':>12s}"

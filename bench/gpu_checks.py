@@ -9,8 +9,12 @@ import tempfile
 import torch
 
 sys.path.insert(0, "tests")
-from ringserve import LLM, SamplingParams  # noqa: E402
-from ringserve.attention import VarlenBatch, _math_varlen, _segmented, attention_with_lse  # noqa: E402
+from ringserve import (  # noqa: E402
+    LLM,
+    SamplingParams,
+    lse_merge,  # noqa: E402
+)
+from ringserve.attention import VarlenBatch, _math_varlen, attention_with_lse  # noqa: E402
 from ringserve.engine.engine import LLMEngine  # noqa: E402
 
 from conftest import ARCHITECTURES, hf_model, save_tiny_model  # noqa: E402
@@ -88,14 +92,52 @@ def check_ring_blocks():
             torch.arange(768, 778),
         ],
     )
-    _check_against_math("ring blocks (cuDNN)", batch, _segmented)
+    _check_against_math("ring blocks (cuDNN)", batch, attention_with_lse)
+    # A rank's own zigzag chunks, and another rank's earlier chunk: one cuDNN call each.
+    own = torch.cat([torch.arange(1024, 2048), torch.arange(6144, 7168)])
+    other = torch.cat([torch.arange(0, 1024), torch.arange(7168, 8192)])
+    for name, keys in (("local step", own), ("earlier chunk", other)):
+        batch = _positions_batch([own], [keys])
+        assert sum(len(g) for g in batch.plan().groups) == 1
+        _check_against_math(f"ring zigzag {name} (one cuDNN call)", batch, attention_with_lse)
     # A decode step of the ring: one token per sequence, every key at or before it.
     batch = _positions_batch(
         [torch.tensor([900]), torch.tensor([40])],
         [torch.cat([torch.arange(0, 256), torch.arange(512, 900 + 1)]), torch.arange(0, 41)],
     )
-    assert batch.decode_shaped()
+    assert batch.plan().decode is not None
     _check_against_math("ring decode step (flash varlen)", batch, attention_with_lse)
+    # Batched decode on one rank: sequences whose token is elsewhere, or with no key here.
+    none = torch.tensor([], dtype=torch.int64)
+    batch = _positions_batch(
+        [torch.tensor([900]), none, torch.tensor([40]), torch.tensor([7]), torch.tensor([300])],
+        [torch.arange(0, 600, 2), torch.arange(0, 64), torch.arange(0, 41), none, torch.arange(256, 300)],
+    )
+    assert batch.plan().decode is not None and batch.plan().decode.rows == [0, 1, 3]
+    _check_against_math(
+        "ring decode, sequences left out (flash varlen, seqused_k)", batch, attention_with_lse
+    )
+
+
+def check_merge():
+    """The Triton merge against the torch merge, with parts that see nothing."""
+    print(f"triton: {lse_merge.triton.__version__ if lse_merge.triton else 'not installed'}")
+    torch.manual_seed(1)
+    outs = [torch.randn(3000, 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(11)]
+    lses = [torch.randn(3000, 32, device="cuda") * 4 for _ in range(11)]
+    for lse in lses[::3]:
+        lse[::7] = float("-inf")
+    for lse in lses:
+        lse[5] = float("-inf")  # a query that saw no key anywhere
+    outs[2][lses[2] == float("-inf")] = float("nan")  # never read: its weight is 0
+    out, lse = lse_merge.merge_partials(outs, lses)
+    ref_out, ref_lse = lse_merge._merge_torch(outs, lses)
+    e_out = rel(out, ref_out)
+    finite = torch.isfinite(ref_lse)
+    e_lse = (lse[finite] - ref_lse[finite]).abs().max().item()
+    print(f"merge of 11 parts (Triton) out rel err {e_out:.1e}  lse max abs err {e_lse:.1e}")
+    assert e_out < 1e-2 and e_lse < 1e-4 and (out[5] == 0).all() and torch.isinf(lse[5]).all()
+    assert torch.equal(finite, torch.isfinite(lse))
 
 
 def check_models():
@@ -134,5 +176,6 @@ def check_models():
 if __name__ == "__main__":
     check_attention()
     check_ring_blocks()
+    check_merge()
     check_models()
     print("GPU CHECKS PASSED")

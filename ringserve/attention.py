@@ -1,7 +1,7 @@
 """Local attention over packed variable-length sequences, returning (output, log-sum-exp).
 
 The log-sum-exp lets partial results over different key blocks be merged exactly
-(`merge_partials`), which is what ring attention (context parallelism) is built on.
+(`lse_merge.merge_partials`), which is what ring attention (context parallelism) is built on.
 
 Shapes: q [Tq, NH, D], k and v [Tk, NKV, D], NH a multiple of NKV (grouped-query
 attention); out [Tq, NH, D]; lse [Tq, NH] in float32. Sequence i owns queries
@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ringserve.attention_plan import AttentionPlan, DecodeLayout, plan_attention
+from ringserve.lse_merge import merge_partials
 
 
 @dataclass
@@ -34,22 +37,14 @@ class VarlenBatch:
     k_bounds: list[int] | None = None
     q_positions_host: torch.Tensor | None = None
     k_positions_host: torch.Tensor | None = None
-    _plan: list | None = None  # the block plan of _segmented, made once per batch
-    _decode_shaped: bool | None = None
+    _plan: AttentionPlan | None = None  # made once per batch (a ring step's batch serves every layer)
 
-    def decode_shaped(self) -> bool:
-        """Whether every sequence has one query and some keys, none after it: then the
-        bottom-right causal mask of the fused varlen kernel is exactly the mask needed."""
-        if self._decode_shaped is None:
-            qb, kb = self.q_bounds, self.k_bounds
-            qp, kp = self.q_positions_host, self.k_positions_host
-            self._decode_shaped = all(
-                qb[i + 1] - qb[i] == 1
-                and kb[i + 1] > kb[i]
-                and int(kp[kb[i] : kb[i + 1]].max()) <= int(qp[qb[i]])
-                for i in range(len(qb) - 1)
+    def plan(self) -> AttentionPlan:
+        if self._plan is None:
+            self._plan = plan_attention(
+                self.q_bounds, self.k_bounds, self.q_positions_host, self.k_positions_host
             )
-        return self._decode_shaped
+        return self._plan
 
 
 def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float):
@@ -61,96 +56,74 @@ def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float):
             return _cudnn_per_sequence(q, k, v, batch.q_bounds, scale)
         return _flash_varlen(q, k, v, batch, scale)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and batch.q_positions_host is not None:
-        if batch.decode_shaped():  # a ring step of batch-1 decode: one fused varlen call
-            return _flash_varlen(q, k, v, batch, scale)
-        return _segmented(q, k, v, batch, scale)
+        return _planned(q, k, v, batch.plan(), batch, scale)
     return _math_varlen(q, k, v, batch, scale)
 
 
-def _runs(positions: torch.Tensor, base: int):
-    """Maximal runs of consecutive positions: [(first index, end index, first position)]."""
-    if len(positions) == 0:
-        return []
-    breaks = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
-    starts = [0, *breaks]
-    ends = [*breaks, len(positions)]
-    return [(base + a, base + b, int(positions[a])) for a, b in zip(starts, ends)]
-
-
-def _plan_blocks(batch: VarlenBatch):
-    """For every run of consecutive query positions: the keys every one of its queries sees
-    (positions before the run), and the keys on the run's own positions (a causal diagonal).
-
-    Entries: (q_start, q_end, full key indices or None, (k_start, k_end) or None); runs
-    whose keys fit neither shape (which the engine's layouts do not make) are ("masked", ...).
-    """
-    plan = []
-    qb, kb = batch.q_bounds, batch.k_bounds
-    for i in range(len(qb) - 1):
-        q_runs = _runs(batch.q_positions_host[qb[i] : qb[i + 1]], qb[i])
-        k_positions = batch.k_positions_host[kb[i] : kb[i + 1]]
-        for q0, q1, qp in q_runs:
-            q_last = qp + (q1 - q0) - 1
-            before = torch.nonzero(k_positions < qp).flatten() + kb[i]
-            inside = torch.nonzero((k_positions >= qp) & (k_positions <= q_last)).flatten() + kb[i]
-            diagonal = None
-            if len(inside):
-                k0 = int(inside[0])
-                diagonal_positions = batch.k_positions_host[k0 : k0 + (q1 - q0)]
-                if len(inside) != q1 - q0 or not torch.equal(
-                    diagonal_positions, batch.q_positions_host[q0:q1]
-                ):
-                    plan.append(("masked", q0, q1, kb[i], kb[i + 1]))
-                    continue
-                diagonal = (k0, k0 + (q1 - q0))
-            full = None
-            if len(before):
-                first, last = int(before[0]), int(before[-1])
-                full = slice(first, last + 1) if last - first + 1 == len(before) else before
-            if full is not None or diagonal is not None:
-                plan.append((q0, q1, full, diagonal))
-    return plan
-
-
-def _segmented(q, k, v, batch: VarlenBatch, scale: float):
-    """Arbitrary positions on CUDA: cuDNN on unmasked blocks, merged by LSE.
-
-    The ring's blocks are whole chunks of positions (zigzag prefill, cached blocks), so a
-    run of queries sees at most one fully visible block (its earlier keys, gathered into
-    one) and one causal diagonal (its own positions): cuDNN's fastest cases, one or two
-    calls a run.
-    """
-    if batch._plan is None:
-        batch._plan = _plan_blocks(batch)
-    out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-    for entry in batch._plan:
-        if entry[0] == "masked":
-            _, q0, q1, k0, k1 = entry
-            sub = VarlenBatch(
-                torch.tensor([0, q1 - q0]),
-                torch.tensor([0, k1 - k0]),
-                q1 - q0,
-                k1 - k0,
-                batch.q_positions[q0:q1],
-                batch.k_positions[k0:k1],
-                False,
-                [0, q1 - q0],
-                [0, k1 - k0],
-            )
-            out[q0:q1], lse[q0:q1] = _math_varlen(q[q0:q1], k[k0:k1], v[k0:k1], sub, scale)
-            continue
-        q0, q1, full, diagonal = entry
-        parts = []
-        if full is not None:
-            parts.append(_dense_block(q[q0:q1], k[full], v[full], False, scale))
-        if diagonal is not None:
-            d0, d1 = diagonal
-            parts.append(_dense_block(q[q0:q1], k[d0:d1], v[d0:d1], True, scale))
+def _planned(q, k, v, plan: AttentionPlan, batch: VarlenBatch, scale: float):
+    """Arbitrary positions (ring steps): the plan's dense blocks, merged by LSE where a row
+    group has two; one fused varlen call for a decode step."""
+    if plan.decode is not None:
+        return _decode_varlen(q, k, v, plan.decode, scale)
+    block = plan.single_block(q.shape[0])
+    if block is not None:  # e.g. every ring step of a zigzag prefill: no copy, no merge
+        return _dense_block(q, k[block.k0 : block.k1], v[block.k0 : block.k1], block.causal, scale)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    for q0, q1 in plan.unseen:
+        out[q0:q1] = 0
+        lse[q0:q1] = float("-inf")
+    for group in plan.groups:
+        q0, q1 = group[0].q0, group[0].q1
+        parts = [_dense_block(q[q0:q1], k[b.k0 : b.k1], v[b.k0 : b.k1], b.causal, scale) for b in group]
         if len(parts) == 1:
             out[q0:q1], lse[q0:q1] = parts[0]
         else:
             out[q0:q1], lse[q0:q1] = merge_partials([p[0] for p in parts], [p[1] for p in parts])
+    for q0, q1, k0, k1 in plan.masked:  # keys out of order: the explicit mask
+        sub = VarlenBatch(
+            torch.tensor([0, q1 - q0]),
+            torch.tensor([0, k1 - k0]),
+            q1 - q0,
+            k1 - k0,
+            batch.q_positions[q0:q1],
+            batch.k_positions[k0:k1],
+            False,
+            [0, q1 - q0],
+            [0, k1 - k0],
+        )
+        out[q0:q1], lse[q0:q1] = _math_varlen(q[q0:q1], k[k0:k1], v[k0:k1], sub, scale)
+    return out, lse
+
+
+def _decode_varlen(q, k, v, layout: DecodeLayout, scale: float):
+    """One query per sequence over all its keys: one flash varlen call. Sequences with no
+    key here are left out (the kernel needs every sequence to have its one query), their
+    keys skipped by seqused_k."""
+    rows = None if layout.rows is None else torch.tensor(layout.rows, device=q.device)
+    q_kept = q if rows is None else q[rows]
+    device = q.device
+    count = len(layout.k_starts)
+    out_kept, lse_kept, *_ = torch.ops.aten._flash_attention_forward(
+        q_kept,
+        k,
+        v,
+        torch.arange(count + 1, dtype=torch.int32, device=device),
+        torch.tensor([*layout.k_starts, k.shape[0]], dtype=torch.int32, device=device),
+        1,
+        max(layout.k_counts),
+        0.0,
+        False,  # every key of a kept sequence is visible
+        False,
+        scale=scale,
+        seqused_k=torch.tensor(layout.k_counts, dtype=torch.int32, device=device),
+    )
+    lse_kept = lse_kept.transpose(0, 1)  # [NH, Tq] for packed input
+    if rows is None:
+        return out_kept, lse_kept
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=device)
+    out[rows], lse[rows] = out_kept, lse_kept
     return out, lse
 
 
@@ -251,20 +224,3 @@ def _math_varlen(q, k, v, batch: VarlenBatch, scale: float):
         out[q0:q1] = seq_out.permute(2, 0, 1, 3).reshape(q1 - q0, num_heads, head_dim).to(q.dtype)
         lse[q0:q1] = seq_lse.permute(2, 0, 1).reshape(q1 - q0, num_heads)
     return out, lse
-
-
-def merge_partials(outs, lses):
-    """Merge partial attention results over disjoint key sets by log-sum-exp.
-
-    outs: list of [T, NH, D]; lses: list of [T, NH] float32 (-inf where a part saw no key).
-    Returns (out [T, NH, D], lse [T, NH]); a query that saw no key at all gets out 0, lse -inf.
-    """
-    lse = torch.stack(lses)  # [S, T, NH]
-    m = lse.max(dim=0).values
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    w = torch.exp(lse - m_safe)  # 0 for parts with no visible key
-    total = w.sum(dim=0)
-    out = sum(wi.unsqueeze(-1) * o.float() for wi, o in zip(w, outs))
-    out = out / total.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)
-    merged_lse = m_safe + torch.log(total)  # -inf where total == 0
-    return out.to(outs[0].dtype), merged_lse

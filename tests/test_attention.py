@@ -3,7 +3,8 @@
 import torch
 import torch.nn.functional as F
 
-from ringserve.attention import VarlenBatch, attention_with_lse, merge_partials
+from ringserve.attention import VarlenBatch, attention_with_lse
+from ringserve.lse_merge import merge_partials
 
 
 def reference(q, k, v, q_pos, k_pos):
@@ -98,49 +99,99 @@ def test_merge_guards_parts_with_no_visible_key():
     assert (out == 0).all() and torch.isinf(merged).all()
 
 
-def test_block_plan_of_ring_layouts_matches_the_math_path():
-    """Zigzag chunks, a cached prefix, decode tails and an odd overlap: the run-by-run plan
-    (cuDNN blocks on a GPU, the same arithmetic here) equals the position-masked math path."""
-    from ringserve.attention import _math_varlen, _segmented
+def _positions_batch(q_pos: list, k_pos: list) -> VarlenBatch:
+    cu_q = torch.tensor([0, *torch.tensor([len(p) for p in q_pos]).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor([len(p) for p in k_pos]).cumsum(0).tolist()], dtype=torch.int32)
+    qp, kp = torch.cat(q_pos), torch.cat(k_pos)
+    return VarlenBatch(
+        cu_q,
+        cu_k,
+        1,
+        1,
+        qp,
+        kp,
+        False,
+        cu_q.tolist(),
+        cu_k.tolist(),
+        q_positions_host=qp,
+        k_positions_host=kp,
+    )
 
-    g = torch.Generator().manual_seed(7)
-    # Sequence 0: queries are chunks 1 and 6 of 8 (zigzag), keys a cached prefix plus chunks 1, 2, 5, 6.
-    q0 = torch.cat([torch.arange(100, 110), torch.arange(150, 160)])
-    k0 = torch.cat([torch.arange(0, 40), torch.arange(100, 120), torch.arange(140, 160)])
-    # Sequence 1: one decode token at 77 against a block holding 64..77; sequence 2: a
-    # partial overlap (keys start inside the query run).
-    q1, k1 = torch.tensor([77]), torch.arange(64, 78)
-    q2, k2 = torch.arange(10, 20), torch.arange(15, 25)
-    qs, ks = [q0, q1, q2], [k0, k1, k2]
-    cu_q = torch.tensor([0, *torch.tensor([len(p) for p in qs]).cumsum(0).tolist()], dtype=torch.int32)
-    cu_k = torch.tensor([0, *torch.tensor([len(p) for p in ks]).cumsum(0).tolist()], dtype=torch.int32)
-    q_pos, k_pos = torch.cat(qs), torch.cat(ks)
-    batch = VarlenBatch(cu_q, cu_k, 20, 80, q_pos, k_pos, False, cu_q.tolist(), cu_k.tolist(), q_pos, k_pos)
-    q = torch.randn(len(q_pos), 4, 8, generator=g)
-    k = torch.randn(len(k_pos), 2, 8, generator=g)
-    v = torch.randn(len(k_pos), 2, 8, generator=g)
-    out, lse = _segmented(q, k, v, batch, 8**-0.5)
+
+def _planned_equals_math(batch: VarlenBatch, seed: int = 7):
+    """The plan's dense blocks (cuDNN on a GPU, the same arithmetic here) against the
+    position-masked math path."""
+    from ringserve.attention import _math_varlen, _planned
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(len(batch.q_positions), 4, 8, generator=g)
+    k = torch.randn(len(batch.k_positions), 2, 8, generator=g)
+    v = torch.randn(len(batch.k_positions), 2, 8, generator=g)
+    out, lse = _planned(q, k, v, batch.plan(), batch, 8**-0.5)
     ref_out, ref_lse = _math_varlen(q, k, v, batch, 8**-0.5)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
-    masked = [p for p in batch._plan if p[0] == "masked"]
-    # Only the odd overlap (keys starting inside the query run) needs a mask; the zigzag
-    # chunks, the cached prefix and the decode tail run as unmasked blocks.
-    assert len(masked) == 1 and masked[0][1] == len(q0) + 1
 
 
-def test_decode_shaped_steps_are_recognised():
-    def batch(q_pos, k_pos):
-        cu_q = torch.tensor([0, *torch.tensor([len(p) for p in q_pos]).cumsum(0).tolist()], dtype=torch.int32)
-        cu_k = torch.tensor([0, *torch.tensor([len(p) for p in k_pos]).cumsum(0).tolist()], dtype=torch.int32)
-        qp, kp = torch.cat(q_pos), torch.cat(k_pos)
-        return VarlenBatch(cu_q, cu_k, 1, 1, qp, kp, False, cu_q.tolist(), cu_k.tolist(), qp, kp)
+def test_block_plan_of_irregular_layouts_matches_the_math_path():
+    # Sequence 0: queries are chunks 1 and 6 of 8 (zigzag), keys a cached prefix plus
+    # chunks 1, 2, 5, 6; sequence 1: one decode token at 77 against a block holding
+    # 64..77; sequence 2: keys starting inside the query run; sequence 3: keys out of order.
+    batch = _positions_batch(
+        [
+            torch.cat([torch.arange(100, 110), torch.arange(150, 160)]),
+            torch.tensor([77]),
+            torch.arange(10, 20),
+            torch.arange(5, 9),
+        ],
+        [
+            torch.cat([torch.arange(0, 40), torch.arange(100, 120), torch.arange(140, 160)]),
+            torch.arange(64, 78),
+            torch.arange(15, 25),
+            torch.tensor([6, 2, 8, 0]),
+        ],
+    )
+    _planned_equals_math(batch)
+    plan = batch.plan()
+    assert plan.masked == [(31, 35, 104, 108)]  # only the unsorted keys need the explicit mask
+    # Each zigzag chunk: the cached keys before it unmasked, then its diagonal; the decode
+    # token: one block; sequence 2: five queries see nothing, then a diagonal.
+    assert [len(g) for g in plan.groups] == [2, 2, 1, 1]
+    assert plan.unseen == [(21, 26)]
 
+
+def test_every_zigzag_ring_step_is_one_call():
+    """A prefill split 2N ways: each (query rank, key rank) step is a single dense call."""
+    from ringserve.engine.block_manager import place_blocks
+    from ringserve.parallel.cp import split_step
+
+    block, cp = 4, 4
+    for tokens in (96, 90):  # 3 blocks a chunk; and a length that is not a multiple of 2N blocks
+        blocks = -(-tokens // block)
+        table = []
+        counters = [0] * cp
+        for r in place_blocks(0, 0, blocks, cp):
+            table.append(r * blocks + counters[r])
+            counters[r] += 1
+        shares, _ = split_step([tokens], [0], [table], block, blocks, cp)
+        for q_rank in range(cp):
+            for k_rank in range(cp):
+                batch = shares[q_rank].varlen(shares[k_rank], "cpu")
+                _planned_equals_math(batch, seed=q_rank * cp + k_rank)
+                if tokens == 96:
+                    assert sum(len(g) for g in batch.plan().groups) == 1, (q_rank, k_rank)
+
+
+def test_decode_steps_are_planned_as_one_fused_call():
     none = torch.tensor([], dtype=torch.int64)
-    # One query per sequence, every key at or before it: the fused kernel's mask is exact.
-    assert batch([torch.tensor([9]), torch.tensor([3])], [torch.arange(10), torch.arange(2)]).decode_shaped()
-    # A prefill chunk over its own keys, a sequence whose query is on another rank, a query
-    # with no key here: the block path.
-    assert not batch([torch.arange(4, 8)], [torch.arange(8)]).decode_shaped()
-    assert not batch([torch.tensor([9]), none], [torch.arange(10), torch.arange(4)]).decode_shaped()
-    assert not batch([torch.tensor([3])], [none]).decode_shaped()
+    # One query per sequence over all its keys; a sequence whose query is on another rank;
+    # a query with no key here: one fused call over the two sequences that have both.
+    batch = _positions_batch(
+        [torch.tensor([9]), none, torch.tensor([3]), torch.tensor([5])],
+        [torch.arange(10), torch.arange(4), none, torch.arange(2, 6)],
+    )
+    layout = batch.plan().decode
+    assert layout.rows == [0, 2] and layout.k_starts == [0, 14] and layout.k_counts == [10, 4]
+    # A prefill chunk over its own keys, a query before some of its keys: the block plan.
+    assert _positions_batch([torch.arange(4, 8)], [torch.arange(8)]).plan().decode is None
+    assert _positions_batch([torch.tensor([3])], [torch.arange(5)]).plan().decode is None

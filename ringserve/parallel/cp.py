@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ringserve.attention import VarlenBatch, attention_with_lse, merge_partials
+from ringserve.attention import VarlenBatch, attention_with_lse
+from ringserve.lse_merge import merge_partials
 from ringserve.measurements import load_measurement
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,148 @@
+"""Which dense attention calls cover a batch whose queries and keys lie at arbitrary positions.
+
+Ring attention meets blocks that the fused causal kernels cannot mask by themselves: a
+rank's zigzag chunks against another rank's chunks, new tokens against a cached prefix
+spread over ranks, one decode token per sequence against part of its context. All of
+these share one property the plan relies on: within a sequence the keys are sorted by
+position, so the keys a query sees are a prefix of its sequence's keys, of length
+n[t] = #keys at or before query t. Runs of queries then fall into three shapes:
+
+- n constant: one unmasked block, the run's queries against the first n keys;
+- n growing by one per query: a causal diagonal (top-left aligned, as cuDNN's causal
+  flag is), after an unmasked block over the keys the whole run sees;
+- n zero: the queries see nothing here (out 0, LSE -inf).
+
+For the zigzag layout each ring step is then one call: the local step is one causal
+diagonal over the rank's two chunks, earlier chunks one unmasked block for all queries,
+later chunks one unmasked block for the late chunk's queries.
+
+A batch where every sequence has at most one query and sees all its keys (a decode step
+of the ring) is planned as one fused varlen call instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Block:
+    """Queries q0:q1 against keys k0:k1, unmasked or causal (then q1 - q0 == k1 - k0)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+
+
+@dataclass
+class DecodeLayout:
+    """One query per kept sequence, attending all its keys: a fused varlen call.
+
+    rows: the query rows of sequences that have keys (None: all rows, in order);
+    k_starts / k_counts: each kept sequence's keys in the packed key tensor.
+    """
+
+    rows: list[int] | None
+    k_starts: list[int]
+    k_counts: list[int]
+
+
+@dataclass
+class AttentionPlan:
+    groups: list[list[Block]] = field(default_factory=list)  # blocks on the same rows, merged by LSE
+    unseen: list[tuple[int, int]] = field(default_factory=list)  # query rows that see no key
+    masked: list[tuple[int, int, int, int]] = field(default_factory=list)  # (q0, q1, k0, k1): explicit mask
+    decode: DecodeLayout | None = None
+
+    def single_block(self, num_queries: int) -> Block | None:
+        """The one block that covers every query, if the plan is just that."""
+        if self.unseen or self.masked or len(self.groups) != 1 or len(self.groups[0]) != 1:
+            return None
+        block = self.groups[0][0]
+        return block if (block.q0, block.q1) == (0, num_queries) else None
+
+
+def plan_attention(q_bounds, k_bounds, q_positions: torch.Tensor, k_positions: torch.Tensor) -> AttentionPlan:
+    """Plan a packed batch: sequence i has queries q_bounds[i]:q_bounds[i+1] at q_positions
+    and keys k_bounds[i]:k_bounds[i+1] at k_positions (host tensors)."""
+    plan = AttentionPlan()
+    seen_counts = []
+    for i in range(len(q_bounds) - 1):
+        q0, q1, k0, k1 = q_bounds[i], q_bounds[i + 1], k_bounds[i], k_bounds[i + 1]
+        keys = k_positions[k0:k1]
+        if len(keys) > 1 and not bool((keys[1:] >= keys[:-1]).all()):
+            plan.masked.append((q0, q1, k0, k1))
+            seen_counts = None
+            continue
+        n = torch.searchsorted(keys, q_positions[q0:q1], right=True)
+        if seen_counts is not None:
+            seen_counts.append(n)
+        _plan_sequence(plan, n, q0, k0)
+    if seen_counts is not None:
+        plan.decode = _decode_layout(q_bounds, k_bounds, seen_counts)
+    return plan
+
+
+def _decode_layout(q_bounds, k_bounds, seen_counts) -> DecodeLayout | None:
+    """The fused layout, if every sequence has at most one query and it sees all its keys."""
+    rows, k_starts, k_counts = [], [], []
+    for i, n in enumerate(seen_counts):
+        num_queries, num_keys = q_bounds[i + 1] - q_bounds[i], k_bounds[i + 1] - k_bounds[i]
+        if num_queries > 1 or (num_queries == 1 and int(n[0]) != num_keys):
+            return None
+        if num_queries == 1 and num_keys > 0:
+            rows.append(q_bounds[i])
+            k_starts.append(k_bounds[i])
+            k_counts.append(num_keys)
+    if not rows:
+        return None  # nothing to compute: the block plan marks every query unseen
+    return DecodeLayout(None if len(rows) == q_bounds[-1] else rows, k_starts, k_counts)
+
+
+def _plan_sequence(plan: AttentionPlan, n: torch.Tensor, q_base: int, k_base: int) -> None:
+    for a, b in _runs(n):
+        first = int(n[a])
+        diagonal = b - a > 1 and int(n[a + 1]) == first + 1
+        if first == 0 and diagonal:  # the first query sees nothing, the rest a diagonal from key 0
+            plan.unseen.append((q_base + a, q_base + a + 1))
+            a, first = a + 1, 1
+            diagonal = b - a > 1
+        if first == 0:
+            plan.unseen.append((q_base + a, q_base + b))
+        elif not diagonal:
+            plan.groups.append([Block(q_base + a, q_base + b, k_base, k_base + first, False)])
+        else:
+            before = first - 1  # keys every query of the run sees, then one more per query
+            group = [] if before == 0 else [Block(q_base + a, q_base + b, k_base, k_base + before, False)]
+            group.append(Block(q_base + a, q_base + b, k_base + before, k_base + before + b - a, True))
+            plan.groups.append(group)
+
+
+def _runs(n: torch.Tensor) -> list[tuple[int, int]]:
+    """Cut queries into runs over which n is constant or grows by exactly one per query.
+
+    Works on the segments of equal step n[t+1] - n[t] (found without a Python loop over
+    queries, since a 1M-token prompt gives a rank 128K queries): a segment with step 0 or 1
+    is one run; other steps make one-query runs.
+    """
+    count = len(n)
+    if count <= 1:
+        return [(0, count)] if count else []
+    step = n[1:] - n[:-1]  # step[t] links queries t and t + 1
+    change = (torch.nonzero(step[1:] != step[:-1]).flatten() + 1).tolist()
+    runs, start = [], 0
+    for i, j in zip([0, *change], [*change, count - 1]):  # steps i..j-1 link queries i..j
+        if int(step[i]) in (0, 1):
+            if start <= j:
+                runs.append((start, j + 1))
+                start = j + 1
+        else:
+            runs.extend((t, t + 1) for t in range(start, j))
+            start = max(start, j)
+    if start < count:
+        runs.append((start, count))
+    return runs

@@ -64,12 +64,15 @@ def machine_info() -> dict:
         info["transformers"] = transformers.__version__
     except ImportError:
         pass
-    try:
-        info["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip() or os.environ.get("RINGSERVE_COMMIT", "")
-    except OSError:
-        info["commit"] = os.environ.get("RINGSERVE_COMMIT", "")
+    # The device's copy of the tree may carry a stale .git: the commit given to the run wins.
+    info["commit"] = os.environ.get("RINGSERVE_COMMIT", "")
+    if not info["commit"]:
+        try:
+            info["commit"] = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
+        except OSError:
+            pass
     info["date"] = time.strftime("%Y-%m-%d")
     return info
 

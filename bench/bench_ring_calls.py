@@ -1,0 +1,108 @@
+"""Where a small ring step's time goes: host and device time of each dense call.
+
+  python bench/bench_ring_calls.py
+
+For the distinct block shapes of a zigzag prefill (8K and 16K tokens over CP4 and CP8,
+Llama-3-8B heads), the host time to enqueue one call and its device time, for cuDNN and
+for the flash kernel, and the same for the LSE merge of N parts (Triton and torch).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_ring import NH, NKV, D, shares_for  # noqa: E402
+from common import event_time_ms, machine_info, write_json  # noqa: E402
+
+from ringserve import lse_merge  # noqa: E402
+from ringserve.attention import _dense_block  # noqa: E402
+
+
+def host_us(fn, reps: int = 50) -> float:
+    """Mean host time to enqueue fn(), with the device kept busy so enqueueing never waits."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = (time.perf_counter() - start) / reps * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def flash_block(q, k, v, causal: bool):
+    cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+    cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device)
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, q.shape[0], k.shape[0], 0.0, causal, False, scale=D**-0.5
+    )[:2]
+
+
+def main():
+    info = machine_info()
+    print(info)
+    rows = []
+    seen = set()
+    for tokens in (8192, 16384):
+        for n in (4, 8):
+            shares = shares_for(tokens, n)
+            for r in range(n):
+                for j in range(n):
+                    plan = shares[r].varlen(shares[j], "cpu").plan()
+                    for group in plan.groups:
+                        for b in group:
+                            shape = (b.q1 - b.q0, b.k1 - b.k0, b.causal)
+                            if shape in seen:
+                                continue
+                            seen.add(shape)
+                            q = torch.randn(shape[0], NH, D, device="cuda", dtype=torch.bfloat16)
+                            k = torch.randn(shape[1], NKV, D, device="cuda", dtype=torch.bfloat16)
+                            v = torch.randn_like(k)
+                            row = {
+                                "tokens": tokens,
+                                "cp": n,
+                                "q": shape[0],
+                                "k": shape[1],
+                                "causal": shape[2],
+                            }
+                            for name, fn in (
+                                (
+                                    "cudnn",
+                                    lambda q=q, k=k, v=v, c=shape[2]: _dense_block(q, k, v, c, D**-0.5),
+                                ),
+                                ("flash", lambda q=q, k=k, v=v, c=shape[2]: flash_block(q, k, v, c)),
+                            ):
+                                row[f"{name}_device_us"] = event_time_ms(fn, warmup=3, reps=20) * 1000
+                                row[f"{name}_host_us"] = host_us(fn)
+                            rows.append(row)
+                            print(row, flush=True)
+    for parts, tokens in ((4, 2048), (8, 1024), (4, 4096), (8, 2048)):
+        outs = [torch.randn(tokens, NH, D, device="cuda", dtype=torch.bfloat16) for _ in range(parts)]
+        lses = [torch.randn(tokens, NH, device="cuda") for _ in range(parts)]
+        row = {"merge_parts": parts, "tokens": tokens}
+        for name, fn in (
+            ("triton", lambda outs=outs, lses=lses: lse_merge.merge_partials(outs, lses)),
+            ("torch", lambda outs=outs, lses=lses: lse_merge._merge_torch(outs, lses)),
+        ):
+            row[f"{name}_device_us"] = event_time_ms(fn, warmup=3, reps=20) * 1000
+            row[f"{name}_host_us"] = host_us(fn)
+        rows.append(row)
+        print(row, flush=True)
+    # Small elementwise ops, for scale: what a launch costs on this host.
+    x = torch.empty(1024, 32, 128, device="cuda", dtype=torch.bfloat16)
+    print(
+        {
+            "zero_fill_host_us": host_us(lambda: x.zero_()),
+            "empty_host_us": host_us(lambda: torch.empty_like(x)),
+        }
+    )
+    write_json("bench_ring_calls.json", {"machine": info, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -43,9 +43,41 @@ def flash_block(q, k, v, causal: bool):
     )[:2]
 
 
+def profile_ring(tokens: int, n: int) -> None:
+    """Kernel and op times of one whole ring (all ranks' steps and merges), by the profiler."""
+    from bench_ring import ring_inputs, step_fn
+    from torch.profiler import ProfilerActivity, profile
+
+    shares = shares_for(tokens, n)
+    qs, ks, vs = ring_inputs(shares, "cuda")
+    steps = [step_fn(shares, qs, ks, vs, r, (r - j) % n) for r in range(n) for j in range(n)]
+
+    def whole_ring():
+        for r in range(n):
+            parts = [steps[r * n + j]() for j in range(n)]
+            lse_merge.merge_partials([p[0] for p in parts], [p[1] for p in parts])
+
+    for _ in range(3):
+        whole_ring()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    whole_ring()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        whole_ring()
+        torch.cuda.synchronize()
+    print(f"\n== {tokens} tokens, CP{n}: host {host * 1e3:.2f} ms to enqueue, {wall * 1e3:.2f} ms to finish")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=60))
+
+
 def main():
     info = machine_info()
     print(info)
+    for tokens, n in ((8192, 4), (8192, 8), (16384, 4)):
+        profile_ring(tokens, n)
     rows = []
     seen = set()
     for tokens in (8192, 16384):

@@ -4,7 +4,7 @@
 
 1. Kernel efficiency: for 8K..128K tokens (Llama-3-8B heads: 32 query, 8 KV, dim 128, bf16),
    all N x N ring steps of a zigzag prefill over N = 2, 4, 8 ranks, each through the engine's attention op
-   (`attention_with_lse` on per-rank shares, with LSE, plus the merge), timed back to back on
+   (`attention_rows` on per-rank shares, with LSE, plus the merge), timed back to back on
    one GPU, against one cuDNN causal call over the whole sequence: the same useful work.
 2. Ring model: for N = 2, 4, 8 and 128K..1M tokens, each rank's N partial-attention steps
    timed in turn (one layer); load balance = slowest rank / mean per step; the TTFT predicted
@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import event_time_ms, machine_info, measure_ceilings, write_json  # noqa: E402
 
-from ringserve.attention import _dense_block, attention_with_lse  # noqa: E402
+from ringserve.attention import _dense_block, attention_rows  # noqa: E402
 from ringserve.engine.block_manager import place_blocks  # noqa: E402
 from ringserve.lse_merge import merge_partials  # noqa: E402
 from ringserve.parallel.cp import split_step  # noqa: E402
@@ -56,7 +56,7 @@ def ring_inputs(shares, device):
 
 def step_fn(shares, qs, ks, vs, rank, src):
     batch = shares[rank].varlen(shares[src], "cuda")
-    return lambda: attention_with_lse(qs[rank], ks[src], vs[src], batch, D**-0.5)
+    return lambda: attention_rows(qs[rank], ks[src], vs[src], batch, D**-0.5)
 
 
 def kernel_efficiency(tokens: int, cps=(2, 4, 8)) -> list[dict]:
@@ -77,10 +77,12 @@ def kernel_efficiency(tokens: int, cps=(2, 4, 8)) -> list[dict]:
             for g in shares[r].varlen(shares[j], "cpu").plan().groups
         )
 
-        def whole_ring(steps=steps, n=n):
+        def whole_ring(steps=steps, n=n, qs=qs):
             for r in range(n):
                 parts = [steps[r * n + j]() for j in range(n)]
-                merge_partials([p[0] for p in parts], [p[1] for p in parts])
+                merge_partials(
+                    [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], len(qs[r])
+                )
 
         ring_ms = event_time_ms(whole_ring, warmup=2, reps=5)
         rows.append(

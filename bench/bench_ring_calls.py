@@ -55,7 +55,9 @@ def profile_ring(tokens: int, n: int) -> None:
     def whole_ring():
         for r in range(n):
             parts = [steps[r * n + j]() for j in range(n)]
-            lse_merge.merge_partials([p[0] for p in parts], [p[1] for p in parts])
+            lse_merge.merge_partials(
+                [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], len(qs[r])
+            )
 
     for _ in range(3):
         whole_ring()

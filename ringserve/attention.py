@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ringserve.attention_plan import AttentionPlan, DecodeLayout, plan_attention
+from ringserve.attention_plan import AttentionPlan, plan_attention
 from ringserve.lse_merge import merge_partials
 
 
@@ -60,13 +60,31 @@ def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float):
     return _math_varlen(q, k, v, batch, scale)
 
 
+def attention_rows(q, k, v, batch: VarlenBatch, scale: float):
+    """attention_with_lse for one ring step, which may return only the rows that see a key:
+    (out [R, NH, D], lse [R, NH], first_row), every other query seeing nothing.
+
+    A zigzag ring step where only the late chunk sees the other rank's keys computes and
+    returns just that chunk: no zero-filled rows to write, or to read again when merging.
+    """
+    # cuDNN blocks on a GPU; on a CPU the same blocks in float32 arithmetic (so the ring's
+    # row runs are exercised by the CPU tests too).
+    blocks_here = q.dtype in (torch.float16, torch.bfloat16) if q.is_cuda else True
+    if blocks_here and batch.q_positions_host is not None:
+        block = batch.plan().single_block()
+        if block is not None:
+            k_block, v_block = k[block.k0 : block.k1], v[block.k0 : block.k1]
+            return (*_dense_block(q[block.q0 : block.q1], k_block, v_block, block.causal, scale), block.q0)
+    return (*attention_with_lse(q, k, v, batch, scale), 0)
+
+
 def _planned(q, k, v, plan: AttentionPlan, batch: VarlenBatch, scale: float):
     """Arbitrary positions (ring steps): the plan's dense blocks, merged by LSE where a row
     group has two; one fused varlen call for a decode step."""
     if plan.decode is not None:
-        return _decode_varlen(q, k, v, plan.decode, scale)
-    block = plan.single_block(q.shape[0])
-    if block is not None:  # e.g. every ring step of a zigzag prefill: no copy, no merge
+        return _decode_varlen(q, k, v, plan, scale)
+    block = plan.single_block()
+    if block is not None and (block.q0, block.q1) == (0, q.shape[0]):  # one call, no copy
         return _dense_block(q, k[block.k0 : block.k1], v[block.k0 : block.k1], block.causal, scale)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -96,33 +114,31 @@ def _planned(q, k, v, plan: AttentionPlan, batch: VarlenBatch, scale: float):
     return out, lse
 
 
-def _decode_varlen(q, k, v, layout: DecodeLayout, scale: float):
+def _decode_varlen(q, k, v, plan: AttentionPlan, scale: float):
     """One query per sequence over all its keys: one flash varlen call. Sequences with no
     key here are left out (the kernel needs every sequence to have its one query), their
     keys skipped by seqused_k."""
-    rows = None if layout.rows is None else torch.tensor(layout.rows, device=q.device)
-    q_kept = q if rows is None else q[rows]
-    device = q.device
-    count = len(layout.k_starts)
+    layout, index = plan.decode, plan.device_tensors(q.device)
+    rows = index["rows"]
     out_kept, lse_kept, *_ = torch.ops.aten._flash_attention_forward(
-        q_kept,
+        q if rows is None else q[rows],
         k,
         v,
-        torch.arange(count + 1, dtype=torch.int32, device=device),
-        torch.tensor([*layout.k_starts, k.shape[0]], dtype=torch.int32, device=device),
+        index["cu_q"],
+        index["cu_k"],  # with seqused_k, only each sequence's start is read
         1,
         max(layout.k_counts),
         0.0,
         False,  # every key of a kept sequence is visible
         False,
         scale=scale,
-        seqused_k=torch.tensor(layout.k_counts, dtype=torch.int32, device=device),
+        seqused_k=index["k_counts"],
     )
     lse_kept = lse_kept.transpose(0, 1)  # [NH, Tq] for packed input
     if rows is None:
         return out_kept, lse_kept
     out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     out[rows], lse[rows] = out_kept, lse_kept
     return out, lse
 

@@ -49,6 +49,7 @@ class DecodeLayout:
     rows: list[int] | None
     k_starts: list[int]
     k_counts: list[int]
+    num_keys: int  # keys in the packed tensor
 
 
 @dataclass
@@ -57,13 +58,31 @@ class AttentionPlan:
     unseen: list[tuple[int, int]] = field(default_factory=list)  # query rows that see no key
     masked: list[tuple[int, int, int, int]] = field(default_factory=list)  # (q0, q1, k0, k1): explicit mask
     decode: DecodeLayout | None = None
+    _device_tensors: dict | None = None
 
-    def single_block(self, num_queries: int) -> Block | None:
-        """The one block that covers every query, if the plan is just that."""
-        if self.unseen or self.masked or len(self.groups) != 1 or len(self.groups[0]) != 1:
+    def single_block(self) -> Block | None:
+        """The one block that holds every query that sees a key, if the plan is just that
+        (the other queries see nothing)."""
+        if self.masked or self.decode is not None or len(self.groups) != 1 or len(self.groups[0]) != 1:
             return None
-        block = self.groups[0][0]
-        return block if (block.q0, block.q1) == (0, num_queries) else None
+        return self.groups[0][0]
+
+    def device_tensors(self, device) -> dict:
+        """The decode layout's index tensors on the device, made once per plan (it serves
+        every layer) and copied without a host sync."""
+        if self._device_tensors is None:
+            layout = self.decode
+
+            def to_device(values):
+                return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+
+            self._device_tensors = {
+                "rows": None if layout.rows is None else to_device(layout.rows).long(),
+                "cu_q": to_device(list(range(len(layout.k_starts) + 1))),
+                "cu_k": to_device([*layout.k_starts, layout.num_keys]),
+                "k_counts": to_device(layout.k_counts),
+            }
+        return self._device_tensors
 
 
 def plan_attention(q_bounds, k_bounds, q_positions: torch.Tensor, k_positions: torch.Tensor) -> AttentionPlan:
@@ -100,7 +119,7 @@ def _decode_layout(q_bounds, k_bounds, seen_counts) -> DecodeLayout | None:
             k_counts.append(num_keys)
     if not rows:
         return None  # nothing to compute: the block plan marks every query unseen
-    return DecodeLayout(None if len(rows) == q_bounds[-1] else rows, k_starts, k_counts)
+    return DecodeLayout(None if len(rows) == q_bounds[-1] else rows, k_starts, k_counts, k_bounds[-1])
 
 
 def _plan_sequence(plan: AttentionPlan, n: torch.Tensor, q_base: int, k_base: int) -> None:

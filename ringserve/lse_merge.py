@@ -21,14 +21,32 @@ try:
 except ImportError:  # CPU builds of torch come without Triton
     triton = None
 
-_MAX_PARTS = 8  # parts one kernel launch merges; more are merged in rounds
 
-
-def merge_partials(outs, lses):
-    """outs: list of [T, NH, D]; lses: list of [T, NH] float32. Returns (out, lse)."""
+def merge_partials(outs, lses, first_rows=None, num_rows=None):
+    """outs: list of [T_s, NH, D]; lses: list of [T_s, NH] float32. Returns (out, lse) for
+    num_rows queries, part s holding rows first_rows[s] : first_rows[s] + T_s (default: all
+    parts hold every row); rows a part does not hold count as unseen by it."""
+    if first_rows is None:
+        first_rows, num_rows = [0] * len(outs), outs[0].shape[0]
     if triton is not None and outs[0].is_cuda:
-        return _merge_triton(outs, lses)
-    return _merge_torch(outs, lses)
+        return _merge_triton(outs, lses, first_rows, num_rows)
+    return _merge_torch(*_full_rows(outs, lses, first_rows, num_rows))
+
+
+def _full_rows(outs, lses, first_rows, num_rows):
+    full_outs, full_lses = [], []
+    for out, lse, first in zip(outs, lses, first_rows):
+        if first == 0 and out.shape[0] == num_rows:
+            full_outs.append(out)
+            full_lses.append(lse)
+            continue
+        padded = out.new_zeros(num_rows, *out.shape[1:])
+        padded[first : first + out.shape[0]] = out
+        padded_lse = lse.new_full((num_rows, lse.shape[1]), float("-inf"))
+        padded_lse[first : first + lse.shape[0]] = lse
+        full_outs.append(padded)
+        full_lses.append(padded_lse)
+    return full_outs, full_lses
 
 
 def _merge_torch(outs, lses):
@@ -47,64 +65,75 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(
-        part_ptrs,  # [S] int64: addresses of the parts' outputs, each [R, D] contiguous
-        lse_ptr,  # [S, R] float32
-        out_ptr,  # [R, D]
-        merged_lse_ptr,  # [R] float32
+        parts_ptr,  # [4, S] int64: per part, its output's address ([T_s, NH, D] contiguous),
+        # its LSE's address ([NH, T_s] contiguous), its first row, its row count
+        out_ptr,  # [T, NH, D]
+        merged_lse_ptr,  # [T, NH] float32
         num_parts,
-        num_rows,
+        num_tokens,
+        num_heads,
         head_dim,
         OUT_DTYPE: tl.constexpr,
         BLOCK_ROWS: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # row = token * NH + head
         cols = tl.arange(0, BLOCK_D)
-        row_ok = rows < num_rows
-        offsets = rows[:, None] * head_dim + cols[None, :]
-        in_tile = row_ok[:, None] & (cols[None, :] < head_dim)
+        row_ok = rows < num_tokens * num_heads
+        token, head = rows // num_heads, rows % num_heads
+        col_ok = cols < head_dim
         m = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
         for s in range(num_parts):
-            m = tl.maximum(m, tl.load(lse_ptr + s * num_rows + rows, mask=row_ok, other=float("-inf")))
+            lse_part = tl.load(parts_ptr + num_parts + s).to(tl.pointer_type(tl.float32))
+            first, count = tl.load(parts_ptr + 2 * num_parts + s), tl.load(parts_ptr + 3 * num_parts + s)
+            local = token - first
+            held = row_ok & (local >= 0) & (local < count)
+            m = tl.maximum(m, tl.load(lse_part + head * count + local, mask=held, other=float("-inf")))
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         total = tl.zeros([BLOCK_ROWS], tl.float32)
         acc = tl.zeros([BLOCK_ROWS, BLOCK_D], tl.float32)
         for s in range(num_parts):
-            w = tl.exp(tl.load(lse_ptr + s * num_rows + rows, mask=row_ok, other=float("-inf")) - m_safe)
-            part = tl.load(part_ptrs + s).to(tl.pointer_type(OUT_DTYPE))
-            o = tl.load(part + offsets, mask=in_tile & (w > 0)[:, None], other=0.0)
+            out_part = tl.load(parts_ptr + s).to(tl.pointer_type(OUT_DTYPE))
+            lse_part = tl.load(parts_ptr + num_parts + s).to(tl.pointer_type(tl.float32))
+            first, count = tl.load(parts_ptr + 2 * num_parts + s), tl.load(parts_ptr + 3 * num_parts + s)
+            local = token - first
+            held = row_ok & (local >= 0) & (local < count)
+            w = tl.exp(tl.load(lse_part + head * count + local, mask=held, other=float("-inf")) - m_safe)
+            offsets = ((local * num_heads + head) * head_dim)[:, None] + cols[None, :]
+            o = tl.load(out_part + offsets, mask=(held & (w > 0))[:, None] & col_ok[None, :], other=0.0)
             acc += w[:, None] * o.to(tl.float32)
             total += w
         acc = acc / tl.maximum(total, 1.1754943508222875e-38)[:, None]
-        tl.store(out_ptr + offsets, acc.to(OUT_DTYPE), mask=in_tile)
+        out_offsets = (rows * head_dim)[:, None] + cols[None, :]
+        tl.store(out_ptr + out_offsets, acc.to(OUT_DTYPE), mask=row_ok[:, None] & col_ok[None, :])
         tl.store(merged_lse_ptr + rows, m_safe + tl.log(total), mask=row_ok)
 
     _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def _merge_triton(outs, lses):
-    while len(outs) > _MAX_PARTS:  # merge the first parts into one, keep going
-        head = _merge_triton(outs[:_MAX_PARTS], lses[:_MAX_PARTS])
-        outs, lses = [head[0], *outs[_MAX_PARTS:]], [head[1], *lses[_MAX_PARTS:]]
+def _merge_triton(outs, lses, first_rows, num_rows):
     outs = [o.contiguous() for o in outs]
-    tokens, heads, head_dim = outs[0].shape
-    num_rows = tokens * heads
-    lse = torch.stack(lses)  # [S, T, NH] contiguous
-    out = torch.empty_like(outs[0])
-    merged_lse = torch.empty(tokens, heads, dtype=torch.float32, device=out.device)
+    lses = [lse.t().contiguous() for lse in lses]  # [NH, T_s]: cuDNN's and flash's own layout
+    _, heads, head_dim = outs[0].shape
+    out = outs[0].new_empty(num_rows, heads, head_dim)
+    merged_lse = torch.empty(num_rows, heads, dtype=torch.float32, device=out.device)
     if num_rows == 0:
         return out, merged_lse
-    addresses = torch.tensor([o.data_ptr() for o in outs], dtype=torch.int64).to(
-        out.device, non_blocking=True
-    )
-    block_rows = 16
-    _merge_kernel[(triton.cdiv(num_rows, block_rows),)](
-        addresses,
-        lse,
+    table = [
+        [o.data_ptr() for o in outs],
+        [lse.data_ptr() for lse in lses],
+        list(first_rows),
+        [o.shape[0] for o in outs],
+    ]
+    parts = torch.tensor(table, dtype=torch.int64).to(out.device, non_blocking=True)
+    block_rows = 32
+    _merge_kernel[(triton.cdiv(num_rows * heads, block_rows),)](
+        parts,
         out,
         merged_lse,
         len(outs),
         num_rows,
+        heads,
         head_dim,
         OUT_DTYPE=_TL_DTYPES[out.dtype],
         BLOCK_ROWS=block_rows,

@@ -75,6 +75,36 @@ def test_merge_of_random_partials_equals_full_attention():
     torch.testing.assert_close(lse, full_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_merge_of_parts_holding_some_rows_equals_full_attention():
+    """Parts may hold only a run of rows (a ring step where only some queries see the
+    keys); the rows a part does not hold count as unseen by it."""
+    q, k, v, batch = packed([24], [64], seed=4)
+    full, full_lse = attention_with_lse(q, k, v, batch, scale=16**-0.5)
+
+    def part(rows: slice, keys: slice):
+        n_keys = keys.stop - keys.start
+        sub = VarlenBatch(
+            torch.tensor([0, rows.stop - rows.start], dtype=torch.int32),
+            torch.tensor([0, n_keys], dtype=torch.int32),
+            rows.stop - rows.start,
+            n_keys,
+            batch.q_positions[rows],
+            batch.k_positions[keys],
+            causal_suffix=False,
+        )
+        return attention_with_lse(q[rows], k[keys], v[keys], sub, scale=16**-0.5)
+
+    # Every query (positions 40..63) sees keys 0..39; keys 40..63 are split by query rows.
+    parts = [
+        part(slice(0, 24), slice(0, 40)),
+        part(slice(0, 12), slice(40, 64)),
+        part(slice(12, 24), slice(40, 64)),
+    ]
+    out, lse = merge_partials([p[0] for p in parts], [p[1] for p in parts], [0, 0, 12], 24)
+    torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, full_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_merge_guards_parts_with_no_visible_key():
     q, k, v, batch = packed([8], [8], seed=3)
     # Keys placed after every query: nothing visible.

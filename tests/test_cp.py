@@ -110,7 +110,10 @@ def test_prefill_placement_is_load_balanced():
     # 2N chunks, rank i taking chunks i and 2N-1-i: equal causal work on every rank.
     assert place_blocks(0, 0, 8, 4) == [0, 1, 2, 3, 3, 2, 1, 0]
     ranks = place_blocks(0, 0, 100, 4)
-    assert [ranks.count(r) for r in range(4)] == [22, 26, 26, 26]  # chunks of 13; the last has 9
+    assert [ranks.count(r) for r in range(4)] == [25, 25, 25, 25]  # chunks of 12 (early) and 13 (late)
+    assert ranks == sorted(ranks[:50]) + sorted(ranks[50:], reverse=True)  # zigzag: 0 1 2 3 3 2 1 0
+    ranks = place_blocks(0, 0, 103, 4)
+    assert [ranks.count(r) for r in range(4)] == [26, 26, 26, 25]
     # decode blocks: round robin, offset by sequence
     assert place_blocks(1, 10, 1, 4) == [3] and place_blocks(2, 10, 1, 4) == [0]
 

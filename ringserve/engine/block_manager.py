@@ -20,20 +20,23 @@ from ringserve.engine.sequence import Sequence
 def place_blocks(seq_index: int, first_block: int, num_new: int, num_ranks: int) -> list[int]:
     """The rank of each of a step's new logical blocks first_block .. first_block + num_new - 1.
 
-    Many new blocks (a prefill): cut into 2N equal chunks, rank i taking chunks i and
-    2N-1-i, so every ring step costs every rank the same causal work. A few (decode): round
-    robin by block index, offset by the sequence's index, so sequences decoding together
-    land on different ranks and no rank fills first.
+    Many new blocks (a prefill): cut into 2N chunks, rank i taking chunks i and 2N-1-i, so
+    every ring step costs every rank about the same causal work; each rank gets the same
+    number of blocks, give or take one. A few (decode): round robin by block index, offset
+    by the sequence's index, so sequences decoding together land on different ranks and no
+    rank fills first.
     """
     if num_ranks == 1:
         return [0] * num_new
     if num_new < 2 * num_ranks:
         return [(seq_index + first_block + i) % num_ranks for i in range(num_new)]
-    chunk = -(-num_new // (2 * num_ranks))
+    sizes = [0] * (2 * num_ranks)  # blocks per chunk
+    for rank in range(num_ranks):
+        total = num_new // num_ranks + (1 if rank < num_new % num_ranks else 0)
+        sizes[rank], sizes[2 * num_ranks - 1 - rank] = total // 2, total - total // 2
     ranks = []
-    for i in range(num_new):
-        c = i // chunk
-        ranks.append(c if c < num_ranks else 2 * num_ranks - 1 - c)
+    for chunk, size in enumerate(sizes):
+        ranks += [chunk if chunk < num_ranks else 2 * num_ranks - 1 - chunk] * size
     return ranks
 
 

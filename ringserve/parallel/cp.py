@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ringserve.attention import VarlenBatch, attention_with_lse
+from ringserve.attention import VarlenBatch, attention_rows
 from ringserve.lse_merge import merge_partials
 from ringserve.measurements import load_measurement
 
@@ -52,13 +52,17 @@ class RankShare:
             cu_q.append(cu_q[-1] + a)
             cu_k.append(cu_k[-1] + b)
         q_positions, k_positions = torch.cat(self.q_positions), torch.cat(keys.k_positions)
+
+        def to_device(t):
+            return t.to(device, non_blocking=True)
+
         return VarlenBatch(
-            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
-            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+            cu_seqlens_q=to_device(torch.tensor(cu_q, dtype=torch.int32)),
+            cu_seqlens_k=to_device(torch.tensor(cu_k, dtype=torch.int32)),
             max_seqlen_q=max(q_lens, default=0),
             max_seqlen_k=max(k_lens, default=0),
-            q_positions=q_positions.to(device),
-            k_positions=k_positions.to(device),
+            q_positions=to_device(q_positions),
+            k_positions=to_device(k_positions),
             causal_suffix=False,
             q_bounds=cu_q,
             k_bounds=cu_k,
@@ -139,20 +143,21 @@ class RingAttention:
         current[: k_local.shape[0], 0] = k_local
         current[: k_local.shape[0], 1] = v_local
         incoming = torch.empty_like(current)
-        outs, lses = [], []
+        outs, lses, first_rows = [], [], []
         for step in range(self.size):
             src = (self.rank - step) % self.size  # the rank this KV block started on
             pending = self._exchange(current, incoming) if step + 1 < self.size else []
             n = self.shares[src].num_keys
-            out, lse = attention_with_lse(
+            out, lse, first = attention_rows(
                 q, current[:n, 0], current[:n, 1], self._batch(self.rank, src), self.scale
             )
             outs.append(out)
             lses.append(lse)
+            first_rows.append(first)
             for request in pending:
                 request.wait()
             current, incoming = incoming, current
-        return merge_partials(outs, lses)[0]
+        return merge_partials(outs, lses, first_rows, q.shape[0])[0]
 
     def _pass_q(self, q, k_local, v_local):
         longest = max(s.num_queries for s in self.shares)
@@ -165,11 +170,11 @@ class RingAttention:
             src = (self.rank - step) % self.size  # whose queries these are
             pending = self._exchange(current, incoming) if step + 1 < self.size else []
             n = self.shares[src].num_queries
-            out, lse = attention_with_lse(
+            out, lse, first = attention_rows(
                 current[:n], k_local, v_local, self._batch(src, self.rank), self.scale
             )
-            outs[src, :n] = out
-            lses[src, :n] = lse
+            outs[src, first : first + out.shape[0]] = out  # other rows stay 0 / -inf: unseen
+            lses[src, first : first + out.shape[0]] = lse
             for request in pending:
                 request.wait()
             current, incoming = incoming, current

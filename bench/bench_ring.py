@@ -1,6 +1,6 @@
 """Issue 4's one-GPU figures: the ring's attention path against cuDNN, and a model of the ring.
 
-  python bench/bench_ring.py     # writes $OUT/bench_ring.json and prints two tables
+  python bench/bench_ring.py [--kernels-only]    # writes $OUT/bench_ring.json, prints two tables
 
 1. Kernel efficiency: for 8K..128K tokens (Llama-3-8B heads: 32 query, 8 KV, dim 128, bf16),
    all N x N ring steps of a zigzag prefill over N = 2, 4, 8 ranks, each through the engine's attention op
@@ -143,6 +143,9 @@ def main():
                 f"{row['ring_over_cudnn']:6.2f}",
                 flush=True,
             )
+    if "--kernels-only" in sys.argv:
+        write_json("bench_ring.json", {"machine": info, "ceilings": ceilings, "kernels": kernels})
+        return
     models = []
     print(
         f"\n{'tokens':>8s} {'cp':>3s} {'attn/layer':>11s} {'xfer/step':>10s} {'balance':>8s} {'TTFT (pred)':>12s}"

@@ -125,7 +125,8 @@ def _merge_triton(outs, lses, first_rows, num_rows):
         list(first_rows),
         [o.shape[0] for o in outs],
     ]
-    parts = torch.tensor(table, dtype=torch.int64).to(out.device, non_blocking=True)
+    # Through pinned memory: a copy from pageable memory would wait for the queued work.
+    parts = torch.tensor(table, dtype=torch.int64).pin_memory().to(out.device, non_blocking=True)
     block_rows = 32
     _merge_kernel[(triton.cdiv(num_rows * heads, block_rows),)](
         parts,

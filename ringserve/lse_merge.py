@@ -61,57 +61,178 @@ def _merge_torch(outs, lses):
     return out.to(outs[0].dtype), merged_lse
 
 
+_SLOTS = 8  # parts one kernel launch takes, as arguments; more are merged in rounds
+
 if triton is not None:
 
     @triton.jit
+    def _held(first, count, token, row_ok):
+        """Which rows a part holds, and their index within it."""
+        local = token - first
+        return row_ok & (local >= 0) & (local < count), local
+
+    @triton.jit
+    def _part_lse(lse_ptr, first, count, token, head, row_ok):
+        held, local = _held(first, count, token, row_ok)
+        return tl.load(lse_ptr + head * count + local, mask=held, other=float("-inf"))
+
+    @triton.jit
+    def _add_part(
+        acc,
+        total,
+        m_safe,
+        out_ptr,
+        lse_ptr,
+        first,
+        count,
+        token,
+        head,
+        row_ok,
+        cols,
+        col_ok,
+        num_heads,
+        head_dim,
+    ):
+        held, local = _held(first, count, token, row_ok)
+        w = tl.exp(tl.load(lse_ptr + head * count + local, mask=held, other=float("-inf")) - m_safe)
+        offsets = ((local * num_heads + head) * head_dim)[:, None] + cols[None, :]
+        o = tl.load(out_ptr + offsets, mask=(held & (w > 0))[:, None] & col_ok[None, :], other=0.0)
+        return acc + w[:, None] * o.to(tl.float32), total + w
+
+    @triton.jit(
+        do_not_specialize=[
+            "f0",
+            "f1",
+            "f2",
+            "f3",
+            "f4",
+            "f5",
+            "f6",
+            "f7",
+            "c0",
+            "c1",
+            "c2",
+            "c3",
+            "c4",
+            "c5",
+            "c6",
+            "c7",
+            "num_tokens",
+        ]
+    )
     def _merge_kernel(
-        parts_ptr,  # [4, S] int64: per part, its output's address ([T_s, NH, D] contiguous),
-        # its LSE's address ([NH, T_s] contiguous), its first row, its row count
+        # Part s: output o_s [c_s, NH, D] contiguous, LSE l_s [NH, c_s] contiguous (cuDNN's and
+        # flash's own layout), holding rows f_s : f_s + c_s. Slots past NUM_PARTS are unused.
+        o0,
+        o1,
+        o2,
+        o3,
+        o4,
+        o5,
+        o6,
+        o7,
+        l0,
+        l1,
+        l2,
+        l3,
+        l4,
+        l5,
+        l6,
+        l7,
+        f0,
+        f1,
+        f2,
+        f3,
+        f4,
+        f5,
+        f6,
+        f7,
+        c0,
+        c1,
+        c2,
+        c3,
+        c4,
+        c5,
+        c6,
+        c7,
         out_ptr,  # [T, NH, D]
         merged_lse_ptr,  # [T, NH] float32
-        num_parts,
         num_tokens,
         num_heads,
         head_dim,
-        OUT_DTYPE: tl.constexpr,
+        NUM_PARTS: tl.constexpr,
         BLOCK_ROWS: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # row = token * NH + head
+        # row = token * NH + head; 64-bit, as a rank's share of a 1M-token prompt passes 2^31 values
+        rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
         row_ok = rows < num_tokens * num_heads
         token, head = rows // num_heads, rows % num_heads
         col_ok = cols < head_dim
-        m = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
-        for s in range(num_parts):
-            lse_part = tl.load(parts_ptr + num_parts + s).to(tl.pointer_type(tl.float32))
-            first, count = tl.load(parts_ptr + 2 * num_parts + s), tl.load(parts_ptr + 3 * num_parts + s)
-            local = token - first
-            held = row_ok & (local >= 0) & (local < count)
-            m = tl.maximum(m, tl.load(lse_part + head * count + local, mask=held, other=float("-inf")))
+        # Unrolled over the slots in use (NUM_PARTS is known when compiling).
+        m = _part_lse(l0, f0, c0, token, head, row_ok)
+        if NUM_PARTS > 1:
+            m = tl.maximum(m, _part_lse(l1, f1, c1, token, head, row_ok))
+        if NUM_PARTS > 2:
+            m = tl.maximum(m, _part_lse(l2, f2, c2, token, head, row_ok))
+        if NUM_PARTS > 3:
+            m = tl.maximum(m, _part_lse(l3, f3, c3, token, head, row_ok))
+        if NUM_PARTS > 4:
+            m = tl.maximum(m, _part_lse(l4, f4, c4, token, head, row_ok))
+        if NUM_PARTS > 5:
+            m = tl.maximum(m, _part_lse(l5, f5, c5, token, head, row_ok))
+        if NUM_PARTS > 6:
+            m = tl.maximum(m, _part_lse(l6, f6, c6, token, head, row_ok))
+        if NUM_PARTS > 7:
+            m = tl.maximum(m, _part_lse(l7, f7, c7, token, head, row_ok))
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.zeros([BLOCK_ROWS], tl.float32)
         acc = tl.zeros([BLOCK_ROWS, BLOCK_D], tl.float32)
-        for s in range(num_parts):
-            out_part = tl.load(parts_ptr + s).to(tl.pointer_type(OUT_DTYPE))
-            lse_part = tl.load(parts_ptr + num_parts + s).to(tl.pointer_type(tl.float32))
-            first, count = tl.load(parts_ptr + 2 * num_parts + s), tl.load(parts_ptr + 3 * num_parts + s)
-            local = token - first
-            held = row_ok & (local >= 0) & (local < count)
-            w = tl.exp(tl.load(lse_part + head * count + local, mask=held, other=float("-inf")) - m_safe)
-            offsets = ((local * num_heads + head) * head_dim)[:, None] + cols[None, :]
-            o = tl.load(out_part + offsets, mask=(held & (w > 0))[:, None] & col_ok[None, :], other=0.0)
-            acc += w[:, None] * o.to(tl.float32)
-            total += w
+        total = tl.zeros([BLOCK_ROWS], tl.float32)
+        acc, total = _add_part(
+            acc, total, m_safe, o0, l0, f0, c0, token, head, row_ok, cols, col_ok, num_heads, head_dim
+        )
+        if NUM_PARTS > 1:
+            acc, total = _add_part(
+                acc, total, m_safe, o1, l1, f1, c1, token, head, row_ok, cols, col_ok, num_heads, head_dim
+            )
+        if NUM_PARTS > 2:
+            acc, total = _add_part(
+                acc, total, m_safe, o2, l2, f2, c2, token, head, row_ok, cols, col_ok, num_heads, head_dim
+            )
+        if NUM_PARTS > 3:
+            acc, total = _add_part(
+                acc, total, m_safe, o3, l3, f3, c3, token, head, row_ok, cols, col_ok, num_heads, head_dim
+            )
+        if NUM_PARTS > 4:
+            acc, total = _add_part(
+                acc, total, m_safe, o4, l4, f4, c4, token, head, row_ok, cols, col_ok, num_heads, head_dim
+            )
+        if NUM_PARTS > 5:
+            acc, total = _add_part(
+                acc, total, m_safe, o5, l5, f5, c5, token, head, row_ok, cols, col_ok, num_heads, head_dim
+            )
+        if NUM_PARTS > 6:
+            acc, total = _add_part(
+                acc, total, m_safe, o6, l6, f6, c6, token, head, row_ok, cols, col_ok, num_heads, head_dim
+            )
+        if NUM_PARTS > 7:
+            acc, total = _add_part(
+                acc, total, m_safe, o7, l7, f7, c7, token, head, row_ok, cols, col_ok, num_heads, head_dim
+            )
         acc = acc / tl.maximum(total, 1.1754943508222875e-38)[:, None]
         out_offsets = (rows * head_dim)[:, None] + cols[None, :]
-        tl.store(out_ptr + out_offsets, acc.to(OUT_DTYPE), mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(
+            out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :]
+        )
         tl.store(merged_lse_ptr + rows, m_safe + tl.log(total), mask=row_ok)
-
-    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def _merge_triton(outs, lses, first_rows, num_rows):
+    while len(outs) > _SLOTS:  # merge the first parts into one, then go on with the rest
+        head_out, head_lse = _merge_triton(outs[:_SLOTS], lses[:_SLOTS], first_rows[:_SLOTS], num_rows)
+        outs, lses = [head_out, *outs[_SLOTS:]], [head_lse, *lses[_SLOTS:]]
+        first_rows = [0, *first_rows[_SLOTS:]]
     outs = [o.contiguous() for o in outs]
     lses = [lse.t().contiguous() for lse in lses]  # [NH, T_s]: cuDNN's and flash's own layout
     _, heads, head_dim = outs[0].shape
@@ -119,27 +240,25 @@ def _merge_triton(outs, lses, first_rows, num_rows):
     merged_lse = torch.empty(num_rows, heads, dtype=torch.float32, device=out.device)
     if num_rows == 0:
         return out, merged_lse
-    table = [
-        [o.data_ptr() for o in outs],
-        [lse.data_ptr() for lse in lses],
-        list(first_rows),
-        [o.shape[0] for o in outs],
-    ]
-    # Through pinned memory: a copy from pageable memory would wait for the queued work.
-    parts = torch.tensor(table, dtype=torch.int64).pin_memory().to(out.device, non_blocking=True)
+    unused = _SLOTS - len(outs)
+    # Parts go in as kernel arguments: no table to copy to the device, so nothing waits.
     block_rows = 32
     _merge_kernel[(triton.cdiv(num_rows * heads, block_rows),)](
-        parts,
+        *outs,
+        *[outs[0]] * unused,
+        *lses,
+        *[lses[0]] * unused,
+        *first_rows,
+        *[0] * unused,
+        *[o.shape[0] for o in outs],
+        *[0] * unused,
         out,
         merged_lse,
-        len(outs),
         num_rows,
         heads,
         head_dim,
-        OUT_DTYPE=_TL_DTYPES[out.dtype],
+        NUM_PARTS=len(outs),
         BLOCK_ROWS=block_rows,
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
-    # The parts are read through raw addresses; freeing them after this returns is safe, as
-    # the caching allocator hands their memory only to work queued after this kernel.
     return out, merged_lse

@@ -228,15 +228,18 @@ if triton is not None:
         tl.store(merged_lse_ptr + rows, m_safe + tl.log(total), mask=row_ok)
 
 
-def _merge_triton(outs, lses, first_rows, num_rows):
-    while len(outs) > _SLOTS:  # merge the first parts into one, then go on with the rest
-        head_out, head_lse = _merge_triton(outs[:_SLOTS], lses[:_SLOTS], first_rows[:_SLOTS], num_rows)
+def _merge_triton(outs, lses, first_rows, num_rows, out_dtype=None):
+    while len(outs) > _SLOTS:  # merge the first parts into one (kept in float32), then the rest
+        head_out, head_lse = _merge_triton(
+            outs[:_SLOTS], lses[:_SLOTS], first_rows[:_SLOTS], num_rows, torch.float32
+        )
         outs, lses = [head_out, *outs[_SLOTS:]], [head_lse, *lses[_SLOTS:]]
         first_rows = [0, *first_rows[_SLOTS:]]
     outs = [o.contiguous() for o in outs]
     lses = [lse.t().contiguous() for lse in lses]  # [NH, T_s]: cuDNN's and flash's own layout
     _, heads, head_dim = outs[0].shape
-    out = outs[0].new_empty(num_rows, heads, head_dim)
+    out_dtype = out_dtype or outs[-1].dtype  # the parts' dtype (the first may be a float32 round)
+    out = torch.empty(num_rows, heads, head_dim, dtype=out_dtype, device=outs[0].device)
     merged_lse = torch.empty(num_rows, heads, dtype=torch.float32, device=out.device)
     if num_rows == 0:
         return out, merged_lse

@@ -1,10 +1,11 @@
 """Where a small ring step's time goes: host and device time of each dense call.
 
-  python bench/bench_ring_calls.py
+  python bench/bench_ring_calls.py [--chunks-only]
 
 For the distinct block shapes of a zigzag prefill (8K and 16K tokens over CP4 and CP8,
 Llama-3-8B heads), the host time to enqueue one call and its device time, for cuDNN and
-for the flash kernel, and the same for the LSE merge of N parts (Triton and torch).
+for the flash kernel, and the same for the LSE merge of N parts (Triton and torch); and a
+prefill chunk after a cached prefix, flash varlen against cuDNN's bottom-right causal call.
 """
 
 from __future__ import annotations
@@ -75,9 +76,52 @@ def profile_ring(tokens: int, n: int) -> None:
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=60))
 
 
+def chunk_after_prefix() -> list[dict]:
+    """A prefill chunk after its cached prefix (chunked prefill, a follow-up turn): one flash
+    varlen call against per-sequence cuDNN calls with the bottom-right causal mask."""
+    from ringserve.attention import (
+        VarlenBatch,
+        _cudnn_per_sequence,
+        _flash_varlen,
+        causal_aligns_bottom_right,
+    )
+
+    rows = []
+    for chunk, prefix in ((2048, 6144), (8192, 24576), (16384, 114688)):
+        total = chunk + prefix
+        q = torch.randn(chunk, NH, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(total, NKV, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        cu_q, cu_k = [0, chunk], [0, total]
+        batch = VarlenBatch(
+            torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
+            torch.tensor(cu_k, dtype=torch.int32, device="cuda"),
+            chunk,
+            total,
+            torch.arange(prefix, total, device="cuda"),
+            torch.arange(total, device="cuda"),
+            True,
+            cu_q,
+            cu_k,
+        )
+        row = {
+            "chunk": chunk,
+            "prefix": prefix,
+            "flash_ms": event_time_ms(lambda: _flash_varlen(q, k, v, batch, D**-0.5)),
+        }
+        if causal_aligns_bottom_right("cuda"):
+            row["cudnn_ms"] = event_time_ms(lambda: _cudnn_per_sequence(q, k, v, cu_q, cu_k, D**-0.5))
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main():
     info = machine_info()
     print(info)
+    if "--chunks-only" in sys.argv:
+        write_json("bench_chunks.json", {"machine": info, "rows": chunk_after_prefix()})
+        return
     for tokens, n in ((8192, 4), (8192, 8), (16384, 4)):
         profile_ring(tokens, n)
     rows = []

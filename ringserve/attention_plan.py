@@ -8,8 +8,9 @@ position, so the keys a query sees are a prefix of its sequence's keys, of lengt
 n[t] = #keys at or before query t. Runs of queries then fall into three shapes:
 
 - n constant: one unmasked block, the run's queries against the first n keys;
-- n growing by one per query: a causal diagonal (top-left aligned, as cuDNN's causal
-  flag is), after an unmasked block over the keys the whole run sees;
+- n growing by one per query: a causal diagonal, after an unmasked block over the keys
+  the whole run sees (run as one bottom-right causal call where the kernel aligns so,
+  else as two calls merged by LSE);
 - n zero: the queries see nothing here (out 0, LSE -inf).
 
 For the zigzag layout each ring step is then one call: the local step is one causal
@@ -60,12 +61,12 @@ class AttentionPlan:
     decode: DecodeLayout | None = None
     _device_tensors: dict | None = None
 
-    def single_block(self) -> Block | None:
-        """The one block that holds every query that sees a key, if the plan is just that
-        (the other queries see nothing)."""
-        if self.masked or self.decode is not None or len(self.groups) != 1 or len(self.groups[0]) != 1:
+    def single_group(self) -> list[Block] | None:
+        """The one row group that holds every query that sees a key, if the plan is just
+        that (the other queries see nothing)."""
+        if self.masked or self.decode is not None or len(self.groups) != 1:
             return None
-        return self.groups[0][0]
+        return self.groups[0]
 
     def device_tensors(self, device) -> dict:
         """The decode layout's index tensors on the device, made once per plan (it serves

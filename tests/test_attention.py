@@ -1,5 +1,6 @@
 """The local attention op and the log-sum-exp merge, against PyTorch's SDPA."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -163,7 +164,17 @@ def _planned_equals_math(batch: VarlenBatch, seed: int = 7):
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
-def test_block_plan_of_irregular_layouts_matches_the_math_path():
+@pytest.fixture(params=[True, False], ids=["one-bottom-right-call", "two-calls-merged"])
+def causal_alignment(request, monkeypatch):
+    """Run a test both ways a group of earlier keys plus a diagonal can run: one
+    bottom-right causal call (where the kernel aligns so), or two calls merged by LSE."""
+    import ringserve.attention
+
+    monkeypatch.setattr(ringserve.attention, "causal_aligns_bottom_right", lambda device: request.param)
+    return request.param
+
+
+def test_block_plan_of_irregular_layouts_matches_the_math_path(causal_alignment):
     # Sequence 0: queries are chunks 1 and 6 of 8 (zigzag), keys a cached prefix plus
     # chunks 1, 2, 5, 6; sequence 1: one decode token at 77 against a block holding
     # 64..77; sequence 2: keys starting inside the query run; sequence 3: keys out of order.

@@ -104,13 +104,16 @@ def chunk_after_prefix() -> list[dict]:
             cu_q,
             cu_k,
         )
+        args = (q, k, v, batch, cu_q, cu_k)
         row = {
             "chunk": chunk,
             "prefix": prefix,
-            "flash_ms": event_time_ms(lambda: _flash_varlen(q, k, v, batch, D**-0.5)),
+            "flash_ms": event_time_ms(lambda a=args: _flash_varlen(a[0], a[1], a[2], a[3], D**-0.5)),
         }
         if causal_aligns_bottom_right("cuda"):
-            row["cudnn_ms"] = event_time_ms(lambda: _cudnn_per_sequence(q, k, v, cu_q, cu_k, D**-0.5))
+            row["cudnn_ms"] = event_time_ms(
+                lambda a=args: _cudnn_per_sequence(a[0], a[1], a[2], a[4], a[5], D**-0.5)
+            )
         rows.append(row)
         print(row, flush=True)
     return rows

@@ -83,7 +83,6 @@ def chunk_after_prefix() -> list[dict]:
         VarlenBatch,
         _cudnn_per_sequence,
         _flash_varlen,
-        causal_aligns_bottom_right,
     )
 
     rows = []
@@ -110,10 +109,13 @@ def chunk_after_prefix() -> list[dict]:
             "prefix": prefix,
             "flash_ms": event_time_ms(lambda a=args: _flash_varlen(a[0], a[1], a[2], a[3], D**-0.5)),
         }
-        if causal_aligns_bottom_right("cuda"):
-            row["cudnn_ms"] = event_time_ms(
-                lambda a=args: _cudnn_per_sequence(a[0], a[1], a[2], a[4], a[5], D**-0.5)
-            )
+        row["cudnn_ms"] = event_time_ms(
+            lambda a=args: _cudnn_per_sequence(a[0], a[1], a[2], a[4], a[5], D**-0.5)
+        )
+        whole = torch.randn(total, NH, D, device="cuda", dtype=torch.bfloat16)
+        row["cudnn_whole_context_ms"] = event_time_ms(
+            lambda w=whole, a=args: _dense_block(w, a[1], a[2], True, D**-0.5)
+        )
         rows.append(row)
         print(row, flush=True)
     return rows

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ringserve.attention_plan import AttentionPlan, plan_attention
+from ringserve.attention_plan import AttentionPlan, Block, plan_attention
 from ringserve.lse_merge import merge_partials
 
 
@@ -50,13 +50,11 @@ class VarlenBatch:
 def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float):
     """Causal attention of packed queries over packed keys; returns (out, lse)."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and batch.causal_suffix:
-        # cuDNN's causal kernel is the fastest with LSE on Hopper (about twice the flash
-        # kernel at long lengths), one call per sequence: for whole prompts, and for long
-        # chunks after a cached prefix where cuDNN lines the queries up with the last keys.
-        # Batches with short or many rows (decode, mixed steps) take one flash varlen call.
-        if batch.q_bounds is not None and (
-            batch.q_bounds == batch.k_bounds or _long_chunks(batch.q_bounds, q.device)
-        ):
+        # cuDNN is the fastest kernel with LSE on Hopper (about twice the flash kernel at
+        # long lengths), called per sequence: for whole prompts, and for long chunks after a
+        # cached prefix (chunked prefill, follow-up turns). Batches with short or many rows
+        # (decode, mixed steps) take one flash varlen call.
+        if batch.q_bounds is not None and (batch.q_bounds == batch.k_bounds or _long_chunks(batch.q_bounds)):
             return _cudnn_per_sequence(q, k, v, batch.q_bounds, batch.k_bounds, scale)
         return _flash_varlen(q, k, v, batch, scale)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and batch.q_positions_host is not None:
@@ -84,10 +82,6 @@ def attention_rows(q, k, v, batch: VarlenBatch, scale: float):
 def _attend_group(q, k, v, group, scale: float):
     """(out, lse) of one row group of a plan: its queries over the group's blocks."""
     q0, q1 = group[0].q0, group[0].q1
-    if len(group) == 2 and causal_aligns_bottom_right(q.device):
-        # Keys every query sees, then the diagonal: together one bottom-right causal block.
-        k0, k1 = group[0].k0, group[1].k1
-        return _dense_block(q[q0:q1], k[k0:k1], v[k0:k1], True, scale)
     parts = [_dense_block(q[q0:q1], k[b.k0 : b.k1], v[b.k0 : b.k1], b.causal, scale) for b in group]
     if len(parts) == 1:
         return parts[0]
@@ -158,40 +152,15 @@ def _decode_varlen(q, k, v, plan: AttentionPlan, scale: float):
 _LONG_CHUNK = 512  # queries per sequence from which per-sequence cuDNN calls beat one flash call
 
 
-def _long_chunks(q_bounds: list[int], device) -> bool:
-    lengths = [b - a for a, b in zip(q_bounds[:-1], q_bounds[1:])]
-    return min(lengths) >= _LONG_CHUNK and causal_aligns_bottom_right(device)
+def _long_chunks(q_bounds: list[int]) -> bool:
+    return min(b - a for a, b in zip(q_bounds[:-1], q_bounds[1:])) >= _LONG_CHUNK
 
 
 _CUDNN_GQA: bool | None = None  # whether cuDNN takes fewer K/V heads than query heads
-_CUDNN_BOTTOM_RIGHT: bool | None = None
-
-
-def causal_aligns_bottom_right(device) -> bool:
-    """Whether _dense_block's causal flag, for fewer queries than keys, lines the queries up
-    with the last keys (query i sees keys up to i + Lk - Lq): the mask of a chunk after its
-    cached prefix. The CPU arithmetic below does; cuDNN's alignment depends on the PyTorch
-    build, so it is probed once against that arithmetic."""
-    global _CUDNN_BOTTOM_RIGHT
-    if torch.device(device).type != "cuda":
-        return True
-    if _CUDNN_BOTTOM_RIGHT is None:
-        g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(n, 8, 64, generator=g) for n in (64, 192, 192))
-        want, _ = _dense_block(q, k, v, True, 0.125)
-        try:
-            half = [t.to(device, torch.bfloat16) for t in (q, k, v)]
-            got, _ = _dense_block(*half, True, 0.125)
-            error = (got.float().cpu() - want).norm() / want.norm()
-            _CUDNN_BOTTOM_RIGHT = bool(error < 2e-2)
-        except RuntimeError:  # this cuDNN path refuses a causal block with fewer queries than keys
-            _CUDNN_BOTTOM_RIGHT = False
-    return _CUDNN_BOTTOM_RIGHT
 
 
 def _dense_block(q, k, v, causal: bool, scale: float):
-    """One block with no mask, or causal: q [Lq, NH, D], k/v [Lk, NKV, D]. Causal with
-    Lq < Lk is bottom-right aligned only where causal_aligns_bottom_right() says so."""
+    """One block with no mask, or a causal diagonal (Lq == Lk): q [Lq, NH, D], k/v [Lk, NKV, D]."""
     global _CUDNN_GQA
     group = q.shape[1] // k.shape[1]
     qs = q.transpose(0, 1).unsqueeze(0)
@@ -224,20 +193,26 @@ def _dense_block(q, k, v, causal: bool, scale: float):
         )
     else:  # the same arithmetic in float32, for checks without a GPU
         scores = torch.matmul(qs.float(), ks.float().transpose(-1, -2)) * scale
-        if causal:  # bottom-right: query i sees keys up to i + Lk - Lq
-            hidden = torch.ones_like(scores, dtype=torch.bool).triu(1 + k.shape[0] - q.shape[0])
-            scores = scores.masked_fill(hidden, float("-inf"))
+        if causal:
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
         out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), vs.float()).to(q.dtype)
     return out[0].transpose(0, 1), lse[0].reshape(q.shape[1], q.shape[0]).transpose(0, 1)
 
 
 def _cudnn_per_sequence(q, k, v, q_bounds: list[int], k_bounds: list[int], scale: float):
+    """Each sequence's queries are its last keys' positions. cuDNN's causal flag is top-left
+    aligned, so a chunk after a cached prefix is two calls: the prefix unmasked, then the
+    chunk's own causal diagonal, merged by LSE."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     for i in range(len(q_bounds) - 1):
         q0, q1, k0, k1 = q_bounds[i], q_bounds[i + 1], k_bounds[i], k_bounds[i + 1]
-        out[q0:q1], lse[q0:q1] = _dense_block(q[q0:q1], k[k0:k1], v[k0:k1], True, scale)
+        prefix = k0 + (k1 - k0) - (q1 - q0)  # where the chunk's own keys start
+        group = [Block(q0, q1, prefix, k1, True)]
+        if prefix > k0:
+            group.insert(0, Block(q0, q1, k0, prefix, False))
+        out[q0:q1], lse[q0:q1] = _attend_group(q, k, v, group, scale)
     return out, lse
 
 

@@ -8,9 +8,8 @@ position, so the keys a query sees are a prefix of its sequence's keys, of lengt
 n[t] = #keys at or before query t. Runs of queries then fall into three shapes:
 
 - n constant: one unmasked block, the run's queries against the first n keys;
-- n growing by one per query: a causal diagonal, after an unmasked block over the keys
-  the whole run sees (run as one bottom-right causal call where the kernel aligns so,
-  else as two calls merged by LSE);
+- n growing by one per query: a causal diagonal (top-left aligned, as cuDNN's causal
+  flag is), after an unmasked block over the keys the whole run sees, merged by LSE;
 - n zero: the queries see nothing here (out 0, LSE -inf).
 
 For the zigzag layout each ring step is then one call: the local step is one causal

@@ -1,6 +1,5 @@
 """The local attention op and the log-sum-exp merge, against PyTorch's SDPA."""
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -164,17 +163,7 @@ def _planned_equals_math(batch: VarlenBatch, seed: int = 7):
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(params=[True, False], ids=["one-bottom-right-call", "two-calls-merged"])
-def causal_alignment(request, monkeypatch):
-    """Run a test both ways a group of earlier keys plus a diagonal can run: one
-    bottom-right causal call (where the kernel aligns so), or two calls merged by LSE."""
-    import ringserve.attention
-
-    monkeypatch.setattr(ringserve.attention, "causal_aligns_bottom_right", lambda device: request.param)
-    return request.param
-
-
-def test_block_plan_of_irregular_layouts_matches_the_math_path(causal_alignment):
+def test_block_plan_of_irregular_layouts_matches_the_math_path():
     # Sequence 0: queries are chunks 1 and 6 of 8 (zigzag), keys a cached prefix plus
     # chunks 1, 2, 5, 6; sequence 1: one decode token at 77 against a block holding
     # 64..77; sequence 2: keys starting inside the query run; sequence 3: keys out of order.
@@ -236,3 +225,17 @@ def test_decode_steps_are_planned_as_one_fused_call():
     # A prefill chunk over its own keys, a query before some of its keys: the block plan.
     assert _positions_batch([torch.arange(4, 8)], [torch.arange(8)]).plan().decode is None
     assert _positions_batch([torch.tensor([3])], [torch.arange(5)]).plan().decode is None
+
+
+def test_chunks_after_a_cached_prefix_as_dense_blocks():
+    """The GPU path for long chunks after a prefix (the prefix unmasked, the chunk's causal
+    diagonal, merged by LSE; here the same blocks in float32) equals the varlen reference."""
+    from ringserve.attention import _cudnn_per_sequence
+
+    q, k, v, batch = packed([9, 12, 5], [30, 12, 19], seed=5)  # after a prefix, a whole prompt, after one
+    out, lse = _cudnn_per_sequence(
+        q, k, v, batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist(), 16**-0.5
+    )
+    ref_out, ref_lse = attention_with_lse(q, k, v, batch, scale=16**-0.5)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)

@@ -22,15 +22,17 @@ except ImportError:  # CPU builds of torch come without Triton
     triton = None
 
 
-def merge_partials(outs, lses, first_rows=None, num_rows=None):
+def merge_partials(outs, lses, first_rows=None, num_rows=None, out_dtype=None):
     """outs: list of [T_s, NH, D]; lses: list of [T_s, NH] float32. Returns (out, lse) for
     num_rows queries, part s holding rows first_rows[s] : first_rows[s] + T_s (default: all
-    parts hold every row); rows a part does not hold count as unseen by it."""
+    parts hold every row); rows a part does not hold count as unseen by it. out_dtype:
+    the output's (default: the last part's; float32 keeps a running merge exact)."""
     if first_rows is None:
         first_rows, num_rows = [0] * len(outs), outs[0].shape[0]
     if triton is not None and outs[0].is_cuda:
-        return _merge_triton(outs, lses, first_rows, num_rows)
-    return _merge_torch(*_full_rows(outs, lses, first_rows, num_rows))
+        return _merge_triton(outs, lses, first_rows, num_rows, out_dtype)
+    out, lse = _merge_torch(*_full_rows(outs, lses, first_rows, num_rows))
+    return out.to(out_dtype or outs[-1].dtype), lse
 
 
 def _full_rows(outs, lses, first_rows, num_rows):

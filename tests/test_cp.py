@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from ringserve import LLM, SamplingParams
+from ringserve.attention import VarlenBatch, attention_with_lse
 from ringserve.engine.block_manager import place_blocks
-from ringserve.parallel.cp import CPCalibration, choose_cp_algo
+from ringserve.parallel.cp import CPCalibration, RingAttention, choose_cp_algo, split_step
+from ringserve.parallel.local_world import run_local_world
 
 from helpers import engine_logits
 
@@ -80,6 +82,59 @@ def test_second_turn_reuses_the_sharded_cache(algo, tiny_model_dir):
     # The cached turn (all full blocks of the first prompt and answer) is not recomputed.
     assert out.num_cached_tokens >= (len(first) + len(answer) - 1) // BS * BS
     assert computed == len(second) - out.num_cached_tokens + len(expected) - 1
+
+
+def _ring_rank(rank, world_size, algo, max_partial_bytes):
+    """One rank's ring attention for two sequences (a whole prompt; 30 new tokens after 22
+    cached ones) against full causal attention over every position."""
+    import torch.distributed as dist
+
+    block, cp, heads, kv_heads, dim = 4, world_size, 4, 2, 8
+    starts, totals = [0, 22], [70, 52]
+    tables, counters = [], [0] * cp
+    for seq, (start, total) in enumerate(zip(starts, totals)):
+        cached = -(-start // block) if start else 0
+        owners = place_blocks(seq, 0, cached, cp) + place_blocks(seq, cached, -(-total // block) - cached, cp)
+        table = []
+        for r in owners:
+            table.append(r * 64 + counters[r])
+            counters[r] += 1
+        tables.append(table)
+    counts = [t - s for s, t in zip(starts, totals)]
+    shares, _ = split_step(counts, starts, tables, block, 64, cp)
+    g = torch.Generator().manual_seed(0)
+    qs = [torch.randn(t, heads, dim, generator=g) for t in totals]
+    ks = [torch.randn(t, kv_heads, dim, generator=g) for t in totals]
+    vs = [torch.randn(t, kv_heads, dim, generator=g) for t in totals]
+    mine = shares[rank]
+    q = torch.cat([x[p] for x, p in zip(qs, mine.q_positions)])
+    k = torch.cat([x[p] for x, p in zip(ks, mine.k_positions)])
+    v = torch.cat([x[p] for x, p in zip(vs, mine.k_positions)])
+    ring = RingAttention(dist.group.WORLD, shares, algo, dim**-0.5, "cpu")
+    ring.max_partial_bytes = max_partial_bytes
+    got = ring(q, k, v)
+    want = []
+    for x, kk, vv, p, total in zip(qs, ks, vs, mine.q_positions, totals):
+        full = VarlenBatch(
+            torch.tensor([0, total]),
+            torch.tensor([0, total]),
+            total,
+            total,
+            torch.arange(total),
+            torch.arange(total),
+        )
+        want.append(attention_with_lse(x, kk, vv, full, dim**-0.5)[0][p])
+    return (got - torch.cat(want)).abs().max().item(), mine.num_queries
+
+
+@pytest.mark.parametrize(
+    "algo,max_partial_bytes", [("pass_kv", 512 << 20), ("pass_kv", 0), ("pass_q", 512 << 20)]
+)
+def test_ring_equals_full_attention(algo, max_partial_bytes):
+    """The ring itself (pass-KV merging at the end or as it goes, pass-Q) on 4 gloo ranks."""
+    results = run_local_world(_ring_rank, 4, algo, max_partial_bytes, timeout_s=60)
+    assert all(err < 1e-5 for err, _ in results), results
+    assert sum(n for _, n in results) == 70 + 30 and all(n > 0 for _, n in results)
 
 
 def test_each_rank_holds_its_share_of_the_kv(tiny_model_dir):

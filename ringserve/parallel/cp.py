@@ -105,6 +105,11 @@ def split_step(token_counts, starts, block_tables, block_size: int, blocks_per_r
 class RingAttention:
     """Attention of this rank's new tokens over all ranks' KV, by pass-KV or pass-Q."""
 
+    # Partial outputs pass-KV keeps before folding them into a running result: merging all
+    # at the end is fastest for short prompts (one launch), but a rank's partials of a 1M-token
+    # prompt over CP8 are 1 GiB each.
+    max_partial_bytes = 512 << 20
+
     def __init__(self, group, shares: list[RankShare], algo: str, scale: float, device):
         self.group = group
         self.size = dist.get_world_size(group)
@@ -144,6 +149,7 @@ class RingAttention:
         current[: k_local.shape[0], 1] = v_local
         incoming = torch.empty_like(current)
         outs, lses, first_rows = [], [], []
+        rows = q.shape[0]
         for step in range(self.size):
             src = (self.rank - step) % self.size  # the rank this KV block started on
             pending = self._exchange(current, incoming) if step + 1 < self.size else []
@@ -154,10 +160,15 @@ class RingAttention:
             outs.append(out)
             lses.append(lse)
             first_rows.append(first)
+            if len(outs) > 1 and sum(o.nbytes for o in outs) > self.max_partial_bytes:
+                # Long prompts: fold the partials into one float32 running result, so a rank
+                # holds about two instead of N (a merge costs little next to such steps).
+                merged = merge_partials(outs, lses, first_rows, rows, out_dtype=torch.float32)
+                outs, lses, first_rows = [merged[0]], [merged[1]], [0]
             for request in pending:
                 request.wait()
             current, incoming = incoming, current
-        return merge_partials(outs, lses, first_rows, q.shape[0])[0]
+        return merge_partials(outs, lses, first_rows, rows, out_dtype=q.dtype)[0]
 
     def _pass_q(self, q, k_local, v_local):
         longest = max(s.num_queries for s in self.shares)

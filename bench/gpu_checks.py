@@ -141,6 +141,14 @@ def check_merge():
     print(f"merge of 11 parts (Triton) out rel err {e_out:.1e}  lse max abs err {e_lse:.1e}")
     assert e_out < 1e-2 and e_lse < 1e-4 and (out[5] == 0).all() and torch.isinf(lse[5]).all()
     assert torch.equal(finite, torch.isfinite(lse))
+    # A running merge (pass-KV on long prompts): float32 result, then merged on with the rest.
+    head = lse_merge.merge_partials(outs[:3], lses[:3], out_dtype=torch.float32)
+    out, lse = lse_merge.merge_partials([head[0], *outs[3:6]], [head[1], *lses[3:6]])
+    ref_out, ref_lse = lse_merge._merge_torch(outs[:6], lses[:6])
+    finite = torch.isfinite(ref_lse)
+    e_out, e_lse = rel(out, ref_out), (lse[finite] - ref_lse[finite]).abs().max().item()
+    print(f"running merge (Triton) out rel err {e_out:.1e}  lse max abs err {e_lse:.1e}")
+    assert out.dtype == torch.bfloat16 and e_out < 1e-2 and e_lse < 1e-4
     # Parts holding a run of rows each, LSE in cuDNN's head-major layout.
     firsts = [0, 1000, 0, 2999, 1500]
     held = [(o[f:], lse.t().contiguous().t()[f:]) for o, lse, f in zip(outs, lses, firsts)]

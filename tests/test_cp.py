@@ -137,6 +137,28 @@ def test_ring_equals_full_attention(algo, max_partial_bytes):
     assert sum(n for _, n in results) == 70 + 30 and all(n > 0 for _, n in results)
 
 
+def test_one_token_blocks_place_every_decode_token_round_robin(tiny_model_dir, reference):
+    """block_size=1: each new token's KV goes to the next rank, offset per sequence; the
+    tokens still equal the single-rank run."""
+    _, ref_batch, _ = reference("llama")
+    with LLM(tiny_model_dir("llama"), device="cpu", dtype="float32", block_size=1, cp=3, timeout_s=60) as llm:
+        engine = llm.engine
+        seqs = [engine.seqs[engine.add_request(p, GREEDY)] for p in VARSEQ]
+        tables = [[] for _ in seqs]  # each sequence's longest block table (freed when it ends)
+        while engine.has_unfinished():
+            engine.step()
+            for table, seq in zip(tables, seqs):
+                if len(seq.block_table) > len(table):
+                    table[:] = seq.block_table
+        ranks = [[engine.block_manager.rank_of(b) for b in table] for table in tables]
+    assert [seq.output_token_ids for seq in seqs] == ref_batch
+    for seq_ranks, prompt in zip(ranks, VARSEQ):
+        decoded = seq_ranks[len(prompt) :]
+        assert len(decoded) >= 16
+        assert all((b - a) % 3 == 1 for a, b in zip(decoded, decoded[1:])), decoded
+    assert len({r[len(p)] for r, p in zip(ranks, VARSEQ)}) > 1  # sequences start on different ranks
+
+
 def test_each_rank_holds_its_share_of_the_kv(tiny_model_dir):
     prompt = prompts_of_lengths([400], seed=3)[0]
     with LLM(

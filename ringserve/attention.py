@@ -208,7 +208,7 @@ def _cudnn_per_sequence(q, k, v, q_bounds: list[int], k_bounds: list[int], scale
     lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     for i in range(len(q_bounds) - 1):
         q0, q1, k0, k1 = q_bounds[i], q_bounds[i + 1], k_bounds[i], k_bounds[i + 1]
-        prefix = k0 + (k1 - k0) - (q1 - q0)  # where the chunk's own keys start
+        prefix = k1 - (q1 - q0)  # where the chunk's own keys start
         group = [Block(q0, q1, prefix, k1, True)]
         if prefix > k0:
             group.insert(0, Block(q0, q1, k0, prefix, False))

@@ -89,20 +89,24 @@ def plan_attention(q_bounds, k_bounds, q_positions: torch.Tensor, k_positions: t
     """Plan a packed batch: sequence i has queries q_bounds[i]:q_bounds[i+1] at q_positions
     and keys k_bounds[i]:k_bounds[i+1] at k_positions (host tensors)."""
     plan = AttentionPlan()
-    seen_counts = []
+    seen_counts = []  # per sequence: keys seen by each query; None for keys out of order
     for i in range(len(q_bounds) - 1):
-        q0, q1, k0, k1 = q_bounds[i], q_bounds[i + 1], k_bounds[i], k_bounds[i + 1]
-        keys = k_positions[k0:k1]
+        keys = k_positions[k_bounds[i] : k_bounds[i + 1]]
         if len(keys) > 1 and not bool((keys[1:] >= keys[:-1]).all()):
-            plan.masked.append((q0, q1, k0, k1))
-            seen_counts = None
-            continue
-        n = torch.searchsorted(keys, q_positions[q0:q1], right=True)
-        if seen_counts is not None:
-            seen_counts.append(n)
-        _plan_sequence(plan, n, q0, k0)
-    if seen_counts is not None:
+            seen_counts.append(None)
+        else:
+            seen_counts.append(
+                torch.searchsorted(keys, q_positions[q_bounds[i] : q_bounds[i + 1]], right=True)
+            )
+    if all(n is not None for n in seen_counts):
         plan.decode = _decode_layout(q_bounds, k_bounds, seen_counts)
+        if plan.decode is not None:  # a decode step: the fused call needs no block plan
+            return plan
+    for i, n in enumerate(seen_counts):
+        if n is None:
+            plan.masked.append((q_bounds[i], q_bounds[i + 1], k_bounds[i], k_bounds[i + 1]))
+        else:
+            _plan_sequence(plan, n, q_bounds[i], k_bounds[i])
     return plan
 
 

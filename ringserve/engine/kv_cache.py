@@ -39,54 +39,53 @@ class KVCache:
 
 
 @dataclass
-class PagedAttentionContext:
-    """ForwardContext of one step on one rank: new KV goes to its slots, attention reads
-    each sequence's whole context (cached prefix and new tokens) back from the cache."""
+class _StepContext:
+    """What every ForwardContext of a step shares: the cache, and the TP and expert ops."""
 
     kv_cache: KVCache
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    context_slots: torch.Tensor  # [Tk] cache slots of every sequence's whole context, packed
-    batch: VarlenBatch
-    scale: float
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token (this rank's, under CP)
     tp_all_reduce: Callable[[torch.Tensor], torch.Tensor]  # the sum over tensor-parallel ranks
     experts: Callable  # LocalExperts or ExpertParallel (parallel/ep.py)
 
-    def attend(self, layer: int, q, k, v):
+    def write_kv(self, layer: int, k, v):
+        """Store the new tokens' KV; returns this layer's cache tensors."""
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
         k_cache[self.slot_mapping] = k
         v_cache[self.slot_mapping] = v
+        return k_cache, v_cache
+
+    def all_reduce(self, x):
+        return self.tp_all_reduce(x)
+
+    def run_experts(self, experts, x, expert_ids, weights):
+        return self.experts(experts, x, expert_ids, weights)
+
+
+@dataclass(kw_only=True)
+class PagedAttentionContext(_StepContext):
+    """ForwardContext of one step on one rank: new KV goes to its slots, attention reads
+    each sequence's whole context (cached prefix and new tokens) back from the cache."""
+
+    context_slots: torch.Tensor  # [Tk] cache slots of every sequence's whole context, packed
+    batch: VarlenBatch
+    scale: float
+
+    def attend(self, layer: int, q, k, v):
+        k_cache, v_cache = self.write_kv(layer, k, v)
         out, _ = attention_with_lse(
             q, k_cache[self.context_slots], v_cache[self.context_slots], self.batch, self.scale
         )
         return out
 
-    def all_reduce(self, x):
-        return self.tp_all_reduce(x)
 
-    def run_experts(self, experts, x, expert_ids, weights):
-        return self.experts(experts, x, expert_ids, weights)
-
-
-@dataclass
-class RingAttentionContext:
+@dataclass(kw_only=True)
+class RingAttentionContext(_StepContext):
     """ForwardContext of one step on one CP rank: this rank's new KV goes to its slots; its
     queries meet every rank's keys through the ring (pass-KV or pass-Q)."""
 
-    kv_cache: KVCache
-    slot_mapping: torch.Tensor  # [T_mine] local slots of this rank's new tokens
     local_slots: torch.Tensor  # [K_mine] local slots of every key this rank holds, per sequence
     ring: Callable  # (q, k_local, v_local) -> out
-    tp_all_reduce: Callable[[torch.Tensor], torch.Tensor]
-    experts: Callable
 
     def attend(self, layer: int, q, k, v):
-        k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
-        k_cache[self.slot_mapping] = k
-        v_cache[self.slot_mapping] = v
+        k_cache, v_cache = self.write_kv(layer, k, v)
         return self.ring(q, k_cache[self.local_slots], v_cache[self.local_slots])
-
-    def all_reduce(self, x):
-        return self.tp_all_reduce(x)
-
-    def run_experts(self, experts, x, expert_ids, weights):
-        return self.experts(experts, x, expert_ids, weights)

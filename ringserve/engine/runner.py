@@ -94,10 +94,10 @@ class ModelRunner:
         ctx = RingAttentionContext(
             self.kv_cache,
             new_slots.to(dev),
-            torch.cat(share.k_slots).to(dev),
-            ring,
             self.all_reduce,
             self.run_experts,
+            local_slots=torch.cat(share.k_slots).to(dev),
+            ring=ring,
         )
         local_rows = self._rows.local_sample_rows(self.cp_rank)
         return all_ids[mine].to(dev), positions.to(dev), ctx, local_rows.to(dev)
@@ -140,11 +140,11 @@ class ModelRunner:
         ctx = PagedAttentionContext(
             self.kv_cache,
             to_device(torch.cat(slots)),
-            to_device(torch.cat(context_slots)),
-            varlen,
-            self.scale,
             self.all_reduce,
             self.run_experts,
+            context_slots=to_device(torch.cat(context_slots)),
+            batch=varlen,
+            scale=self.scale,
         )
         input_ids_t = to_device(torch.tensor(input_ids, dtype=torch.int64))
         return input_ids_t, positions_t, ctx, to_device(torch.tensor(sample_rows, dtype=torch.int64))

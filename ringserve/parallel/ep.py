@@ -53,8 +53,8 @@ class LocalExperts:
 def _exchange(rows, extras: list, send_counts, group):
     """all_to_all of rows and same-length side tensors with uneven splits, plus its reverse.
 
-    Returns (received rows, received side tensors, back) where back(y) sends rows of y,
-    in the order received, back to where they came from.
+    Returns (received rows, received side tensors, back, rows sent to each rank) where
+    back(y) sends rows of y, in the order received, back to where they came from.
     """
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
@@ -71,7 +71,7 @@ def _exchange(rows, extras: list, send_counts, group):
         dist.all_to_all_single(home, y.contiguous(), send_splits, recv_splits, group=group)
         return home
 
-    return received[0], received[1:], back
+    return received[0], received[1:], back, send_splits
 
 
 class ExpertParallel:
@@ -145,16 +145,15 @@ class ExpertParallel:
         pairs_dest = dest.flatten()
         order = torch.argsort(pairs_dest, stable=True)
         token_of = order // top_k
-        counts = torch.bincount(pairs_dest, minlength=self.size)
-        rows, (ids, w), back = _exchange(
+        rows, (ids, w), back, sent = _exchange(
             x[token_of],
             [expert_ids.flatten()[order, None], weights.flatten()[order, None]],
-            counts,
+            torch.bincount(pairs_dest, minlength=self.size),
             self.group,
         )
-        remote = int(counts.sum() - counts[self.per_host * self._host_of(self.rank) :][: self.per_host].sum())
-        row_bytes = x.shape[1] * x.element_size()
-        self.cross_host_bytes += 2 * remote * row_bytes  # there and back
+        first = self.per_host * self._host_of(self.rank)  # counted from the host copy: no extra sync
+        remote = sum(sent) - sum(sent[first : first + self.per_host])
+        self.cross_host_bytes += 2 * remote * x.shape[1] * x.element_size()  # there and back
 
         return rows, ids, w, token_of, back
 
@@ -175,7 +174,7 @@ class ExpertParallel:
         dest_host, dest_local = row_dest // per, row_dest % per
         # Shot 1, inside the host: to the rank with the destination's local index.
         order1 = torch.argsort(dest_local, stable=True)
-        rows1, (ids1, w1, host1), back1 = _exchange(
+        rows1, (ids1, w1, host1), back1, _ = _exchange(
             x[token_of[order1]],
             [ids[order1], w[order1], dest_host[order1]],
             torch.bincount(dest_local, minlength=per),
@@ -184,8 +183,10 @@ class ExpertParallel:
         # Shot 2, across hosts between peers: to the destination host.
         order2 = torch.argsort(host1, stable=True)
         counts2 = torch.bincount(host1, minlength=self.size // per)
-        rows2, (ids2, w2), back2 = _exchange(rows1[order2], [ids1[order2], w1[order2]], counts2, self.peers)
-        crossing = int(counts2.sum() - counts2[self._host_of(self.rank)])
+        rows2, (ids2, w2), back2, sent2 = _exchange(
+            rows1[order2], [ids1[order2], w1[order2]], counts2, self.peers
+        )
+        crossing = sum(sent2) - sent2[self._host_of(self.rank)]
         self.cross_host_bytes += 2 * crossing * x.shape[1] * x.element_size()
 
         def back(y):

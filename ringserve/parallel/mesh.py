@@ -24,7 +24,7 @@ class ParallelGroups:
     cp_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None  # the tp, cp or whole-world processes
     ep_replicated_group: dist.ProcessGroup | None = None  # EP ranks holding the same tokens (TP)
-    control_group: dist.ProcessGroup | None = None  # gloo, for the driver's step messages
+    control_group: dist.ProcessGroup | None = None  # gloo, for the driver's step messages (executor)
     tp_rank: int = 0
     tp_size: int = 1
     cp_rank: int = 0
@@ -36,6 +36,9 @@ class ParallelGroups:
     @classmethod
     def single(cls, device: torch.device) -> ParallelGroups:
         return cls(rank=0, world_size=1, device=device)
+
+
+_JOIN_TIMEOUT_S = 30.0
 
 
 def init_groups(
@@ -58,16 +61,24 @@ def init_groups(
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    store = None
+    if init_method.startswith("tcp://"):
+        # Joining is not a collective: ranks still importing torch on a busy host are slow,
+        # not hung, so the rendezvous may wait longer than a step's collectives do.
+        host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+        join_timeout = datetime.timedelta(seconds=max(timeout_s, _JOIN_TIMEOUT_S))
+        store = dist.TCPStore(host, int(port), world_size, rank == 0, timeout=join_timeout)
+        init_method = None
     dist.init_process_group(
         backend,
         init_method=init_method,
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
     mesh = init_device_mesh(device.type, (parallel.cp, parallel.tp), mesh_dim_names=("cp", "tp"))
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     groups = {"tp": mesh.get_group("tp"), "cp": mesh.get_group("cp")}
     axes = parallel.ep_axes
     ep_group = groups[axes[0]] if len(axes) == 1 else (dist.group.WORLD if axes else None)
@@ -75,9 +86,8 @@ def init_groups(
         rank=rank,
         world_size=world_size,
         device=device,
-        tp_group=mesh.get_group("tp"),
-        cp_group=mesh.get_group("cp"),
-        control_group=control,
+        tp_group=groups["tp"],
+        cp_group=groups["cp"],
         tp_rank=mesh.get_local_rank("tp"),
         tp_size=parallel.tp,
         cp_rank=mesh.get_local_rank("cp"),

@@ -221,6 +221,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill above it)
     max_num_seqs: int = 256  # sequences running at once
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # True: no CUDA graphs for decode
 
 
 DTYPES = {

@@ -10,12 +10,14 @@ from ringserve.engine.sequence import Sequence
 from ringserve.sampling_params import SamplingParams
 
 
-def engine_logits(engine, token_ids: list[int], prefill: int) -> torch.Tensor:
-    """Logits [len, V] of every position: `prefill` tokens in one step, then one per step
-    through the paged cache, as decoding computes them."""
+def engine_logits(engine, token_ids: list[int], prefill: int, chunks: list[int] = ()) -> torch.Tensor:
+    """Logits [len, V] of every position: `prefill` tokens in one step, then a step per
+    chunk (sizes in `chunks`) after that cached prefix, then one token per step through
+    the paged cache, as decoding computes them."""
     seq = Sequence("probe", token_ids[:prefill], SamplingParams())
+    engine.scheduler.take_row(seq)
     rows = []
-    steps = [prefill] + [1] * (len(token_ids) - prefill)
+    steps = [prefill, *chunks] + [1] * (len(token_ids) - prefill - sum(chunks))
     for n in steps:
         seq.prompt_token_ids = token_ids[: seq.num_computed_tokens + n]
         assert engine.block_manager.allocate(seq, n)
@@ -23,6 +25,7 @@ def engine_logits(engine, token_ids: list[int], prefill: int) -> torch.Tensor:
         rows.append(engine.executor.execute(step, all_logits=True))
         seq.num_computed_tokens += n
     engine.block_manager.free(seq)
+    engine.scheduler.free_rows.append(seq.row)
     return torch.cat(rows)
 
 

@@ -1,7 +1,8 @@
 """The paged KV cache tensors and the attention that reads and writes them.
 
-Layout per layer: k and v [num_blocks * block_size, NKV, D]; token t of a sequence lives
-in slot block_table[t // block_size] * block_size + t % block_size.
+Layout per layer: k and v [(num_blocks + 1) * block_size, NKV, D]; token t of a sequence
+lives in slot block_table[t // block_size] * block_size + t % block_size. The extra last
+block is never handed out: padded rows of a CUDA-graph batch write their KV there.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ from dataclasses import dataclass
 import torch
 
 from ringserve.attention import VarlenBatch, attention_with_lse
+from ringserve.paged_attention import PagedBatch, paged_attention
 
 
 class KVCache:
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.pad_block = num_blocks  # the scratch block of padded rows
+        shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
 
@@ -63,18 +66,27 @@ class _StepContext:
 
 @dataclass(kw_only=True)
 class PagedAttentionContext(_StepContext):
-    """ForwardContext of one step on one rank: new KV goes to its slots, attention reads
-    each sequence's whole context (cached prefix and new tokens) back from the cache."""
+    """ForwardContext of one step on one rank: new KV goes to its slots, then
 
-    context_slots: torch.Tensor  # [Tk] cache slots of every sequence's whole context, packed
-    batch: VarlenBatch
+    - dense: every sequence is a fresh prompt, its keys exactly this step's tokens: dense
+      varlen attention over the new k and v (the cache is only written);
+    - otherwise (decode, chunks after a cached prefix, mixed steps): paged attention reads
+      every sequence's keys in place through its block table.
+    """
+
     scale: float
+    dense: VarlenBatch | None = None
+    paged: PagedBatch | None = None
+    block_tables: torch.Tensor | None = None  # [rows, max_blocks] int32, the runner's
 
     def attend(self, layer: int, q, k, v):
         k_cache, v_cache = self.write_kv(layer, k, v)
-        out, _ = attention_with_lse(
-            q, k_cache[self.context_slots], v_cache[self.context_slots], self.batch, self.scale
-        )
+        if self.dense is not None:
+            out, _ = attention_with_lse(q, k, v, self.dense, self.scale)
+        else:
+            out, _ = paged_attention(
+                q, k_cache, v_cache, self.block_tables, self.paged, self.kv_cache.block_size, self.scale
+            )
         return out
 
 

@@ -10,36 +10,57 @@ import torch.distributed as dist
 from ringserve.attention import VarlenBatch
 from ringserve.engine.kv_cache import KVCache, PagedAttentionContext, RingAttentionContext
 from ringserve.engine.scheduler import ScheduledBatch
+from ringserve.engine.step_state import BlockTables
 from ringserve.model import Transformer
+from ringserve.paged_attention import PagedBatch, decode_splits, tile_queries
 from ringserve.parallel.comm import all_gather_stacked
 from ringserve.parallel.cp import RingAttention, split_step
 
 
 @dataclass
 class StepInput:
-    """What every rank needs to run one step: plain lists, cheap to send to other ranks."""
+    """What every rank needs to run one step: plain lists, cheap to send to other ranks.
 
+    Only what changed travels: a sequence's new tokens, and the blocks its row of the
+    runners' block tables gained since the last step (all of them when it takes a row).
+    """
+
+    rows: list[int]  # each sequence's row of the runners' step state
     token_ids: list[list[int]]  # each sequence's new tokens
     starts: list[int]  # each sequence's tokens already in the cache (position of its first new token)
-    block_tables: list[list[int]]
     sample: list[bool]  # whether the sequence's last known token is among its new ones
+    table_updates: list[tuple[int, int, list[int]]]  # (row, first column, new block ids)
     cp_algo: str = "pass_kv"  # the ring for this step under context parallelism
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> StepInput:
-        token_ids, starts, tables, sample = [], [], [], []
+        """The step's message; marks each sequence's blocks as sent to the runners."""
+        rows, token_ids, starts, sample, updates = [], [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
+            rows.append(seq.row)
             token_ids.append(seq.token_slice(start, start + n))
             starts.append(start)
-            tables.append(seq.block_table)  # read within this step, before the scheduler changes it
             sample.append(start + n == seq.num_tokens)
-        return cls(token_ids, starts, tables, sample)
+            if len(seq.block_table) > seq.num_synced_blocks:
+                updates.append((seq.row, seq.num_synced_blocks, seq.block_table[seq.num_synced_blocks :]))
+                seq.num_synced_blocks = len(seq.block_table)
+        return cls(rows, token_ids, starts, sample, updates)
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence, every one sampling: the shape CUDA graphs replay."""
+        return all(len(t) == 1 for t in self.token_ids) and all(self.sample)
 
 
 class ModelRunner:
     """Runs the model (this rank's shard) over a StepInput; gathers vocabulary shards, and
-    under context parallelism the rows computed on other CP ranks."""
+    under context parallelism the rows computed on other CP ranks.
+
+    The step state persists on the device (`BlockTables`); a step's host work is its new
+    tokens and sequences: positions, slots and attention metadata are made from them on
+    the device.
+    """
 
     def __init__(
         self,
@@ -48,6 +69,8 @@ class ModelRunner:
         device: torch.device,
         all_reduce,
         run_experts,
+        max_rows: int,
+        max_model_len: int,
         tp_group=None,
         cp_group=None,
     ):
@@ -61,9 +84,29 @@ class ModelRunner:
         self.cp_group = cp_group
         self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
-        self.scale = model.config.head_dim**-0.5
+        config = model.config
+        self.scale = config.head_dim**-0.5
+        self.num_kv_heads = model.shard.num_kv_heads
+        self.num_heads = model.shard.num_heads
+        self.max_model_len = max_model_len
+        bs = kv_cache.block_size
+        self.block_tables = BlockTables(max_rows, -(-max_model_len // bs) + 1, kv_cache.pad_block, device)
+        self.block_tables.keep_host = self.cp_size > 1
+        self.num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        )
+        # Decode tiles are one per sequence, from the start of its queries.
+        self._arange = torch.arange(max_rows + 2, dtype=torch.int32, device=device)
+        self._zeros = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
+        self.host_elements = 0  # host-built index elements, summed over steps (tests count them)
+        self.graphs = None  # DecodeGraphs, set by the worker on CUDA unless eager is enforced
+
+    def _apply_table_updates(self, step: StepInput) -> None:
+        self.block_tables.apply(step.table_updates)
+        self.host_elements += sum(3 * len(blocks) for _, _, blocks in step.table_updates)
 
     def prepare(self, step: StepInput):
+        self._apply_table_updates(step)
         if self.cp_size > 1:
             return self._prepare_cp(step)
         return self._prepare_local(step)
@@ -72,9 +115,8 @@ class ModelRunner:
         """This rank's new tokens and keys, and the ring that joins them to the others'."""
         bs = self.kv_cache.block_size
         counts = [len(t) for t in step.token_ids]
-        shares, owners = split_step(
-            counts, step.starts, step.block_tables, bs, self.kv_cache.num_blocks, self.cp_size
-        )
+        tables = [self.block_tables.host[row] for row in step.rows]
+        shares, owners = split_step(counts, step.starts, tables, bs, self.kv_cache.num_blocks, self.cp_size)
         mine = owners == self.cp_rank
         all_ids = torch.tensor([t for tokens in step.token_ids for t in tokens], dtype=torch.int64)
         share = shares[self.cp_rank]
@@ -103,56 +145,117 @@ class ModelRunner:
         return all_ids[mine].to(dev), positions.to(dev), ctx, local_rows.to(dev)
 
     def _prepare_local(self, step: StepInput):
-        """Host-side index building, then one copy of each tensor to the device."""
-        bs = self.kv_cache.block_size
-        input_ids, positions, slots, context_slots, k_positions = [], [], [], [], []
-        cu_q, cu_k, sample_rows = [0], [0], []
-        for tokens, start, table, sample in zip(step.token_ids, step.starts, step.block_tables, step.sample):
-            end = start + len(tokens)
-            input_ids += tokens
-            offsets = torch.arange(end)
-            context = torch.tensor(table, dtype=torch.int64)[offsets // bs] * bs + offsets % bs
-            positions.append(offsets[start:])
-            slots.append(context[start:])
-            context_slots.append(context)
-            k_positions.append(offsets)
-            cu_q.append(cu_q[-1] + len(tokens))
-            cu_k.append(cu_k[-1] + end)
-            if sample:
-                sample_rows.append(cu_q[-1] - 1)
-        dev = self.device
-
-        def to_device(t):
-            return t.to(dev, non_blocking=True)
-
-        positions_t = to_device(torch.cat(positions))
-        varlen = VarlenBatch(
-            cu_seqlens_q=to_device(torch.tensor(cu_q, dtype=torch.int32)),
-            cu_seqlens_k=to_device(torch.tensor(cu_k, dtype=torch.int32)),
-            max_seqlen_q=max(len(t) for t in step.token_ids),
-            max_seqlen_k=max(b - a for a, b in zip(cu_k[:-1], cu_k[1:])),
-            q_positions=positions_t,
-            k_positions=to_device(torch.cat(k_positions)),
-            causal_suffix=True,
-            q_bounds=cu_q,
-            k_bounds=cu_k,
+        """Per new token: id, position, row; per sequence: row, query bounds, length. One
+        copy to the device; slots and attention metadata are derived there."""
+        q_lens = [len(t) for t in step.token_ids]
+        cu_q = [0]
+        for n in q_lens:
+            cu_q.append(cu_q[-1] + n)
+        seq_lens = [start + n for start, n in zip(step.starts, q_lens)]
+        input_ids = [t for tokens in step.token_ids for t in tokens]
+        positions, token_rows = [], []
+        for row, start, n in zip(step.rows, step.starts, q_lens):
+            positions += range(start, start + n)
+            token_rows += [row] * n
+        sample_rows = [end - 1 for end, sample in zip(cu_q[1:], step.sample) if sample]
+        decode = all(n == 1 for n in q_lens)
+        qpt = tile_queries(self.num_heads, self.num_kv_heads, decode)
+        tile_seq, tile_q0 = [], []
+        if not decode:
+            for i, n in enumerate(q_lens):
+                tile_seq += [i] * -(-n // qpt)
+                tile_q0 += range(0, n, qpt)
+        host = torch.tensor(
+            input_ids
+            + positions
+            + token_rows
+            + sample_rows
+            + step.rows
+            + cu_q
+            + seq_lens
+            + tile_seq
+            + tile_q0,
+            dtype=torch.int64,
         )
-        ctx = PagedAttentionContext(
+        self.host_elements += host.numel()
+        dev = host.to(self.device, non_blocking=True)
+        t, b = len(input_ids), len(q_lens)
+        ids, pos, token_rows_d, sample_d, small = dev.split(
+            [t, t, t, len(sample_rows), dev.numel() - 3 * t - len(sample_rows)]
+        )
+        small = small.to(torch.int32)
+        seq_rows_d, cu_q_d, seq_lens_d, tiles = small.split([b, b + 1, b, small.numel() - 3 * b - 1])
+        slots = self._slots(token_rows_d, pos)
+        if not any(step.starts):  # fresh prompts: their keys are this step's tokens
+            varlen = VarlenBatch(
+                cu_seqlens_q=cu_q_d,
+                cu_seqlens_k=cu_q_d,
+                max_seqlen_q=max(q_lens),
+                max_seqlen_k=max(q_lens),
+                q_positions=pos,
+                k_positions=pos,
+                causal_suffix=True,
+                q_bounds=cu_q,
+                k_bounds=cu_q,
+            )
+            ctx = self._context(slots, dense=varlen)
+        else:
+            if decode:
+                tile_seq_d, tile_q0_d = self._arange[:b], self._zeros[:b]
+            else:
+                tile_seq_d, tile_q0_d = tiles.split(len(tile_seq))
+            splits = 1
+            if decode and self.device.type == "cuda":
+                splits = decode_splits(b, self.num_kv_heads, max(seq_lens), self.num_sms)
+            paged = PagedBatch(
+                seq_rows_d, cu_q_d, seq_lens_d, tile_seq_d, tile_q0_d, qpt, splits, cu_q, seq_lens, step.rows
+            )
+            ctx = self._context(slots, paged=paged)
+        return ids, pos, ctx, sample_d
+
+    def _slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Cache slot of each new token, from its row's block table (on the device)."""
+        bs = self.kv_cache.block_size
+        blocks = self.block_tables.tables[rows, positions // bs].long()
+        return blocks * bs + positions % bs
+
+    def _context(self, slots, dense=None, paged=None) -> PagedAttentionContext:
+        return PagedAttentionContext(
             self.kv_cache,
-            to_device(torch.cat(slots)),
+            slots,
             self.all_reduce,
             self.run_experts,
-            context_slots=to_device(torch.cat(context_slots)),
-            batch=varlen,
             scale=self.scale,
+            dense=dense,
+            paged=paged,
+            block_tables=self.block_tables.tables,
         )
-        input_ids_t = to_device(torch.tensor(input_ids, dtype=torch.int64))
-        return input_ids_t, positions_t, ctx, to_device(torch.tensor(sample_rows, dtype=torch.int64))
+
+    def decode_logits(self, input_ids, positions, rows, seq_lens, num_splits: int) -> torch.Tensor:
+        """A decode step from device tensors alone (what a CUDA graph captures): input_ids,
+        positions, rows, seq_lens [B] int64 -> logits [B, V] float32. Padded rows (the pad
+        row, length 0) write only the scratch block and see no key."""
+        b = input_ids.shape[0]
+        paged = PagedBatch(
+            rows.to(torch.int32),
+            self._arange[: b + 1],
+            seq_lens.to(torch.int32),
+            self._arange[:b],
+            self._zeros[:b],
+            1,
+            num_splits,
+        )
+        ctx = self._context(self._slots(rows, positions), paged=paged)
+        hidden = self.model(input_ids, positions, ctx)
+        return self._gather_vocab(self.model.compute_logits(hidden))
 
     @torch.inference_mode()
     def forward(self, step: StepInput, all_logits: bool = False) -> torch.Tensor:
         """Logits [S, V] float32 of the sequences that sample this step (all_logits: [T, V]
         for every new token, for checks and scoring)."""
+        if self.graphs is not None and not all_logits and step.is_decode and self.graphs.fits(step):
+            self._apply_table_updates(step)
+            return self.graphs.run(step)
         input_ids, positions, ctx, sample_rows = self.prepare(step)
         hidden = self.model(input_ids, positions, ctx)
         logits = self._gather_vocab(self.model.compute_logits(hidden if all_logits else hidden[sample_rows]))

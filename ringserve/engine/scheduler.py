@@ -36,6 +36,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Each running sequence holds a row of the runners' persistent step state (block
+        # table, length) from admission to finish or preemption.
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -47,13 +50,24 @@ class Scheduler:
         seq.status = Status.FINISHED
         if seq in self.running:
             self.running.remove(seq)
+            self._release_row(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
 
+    def take_row(self, seq: Sequence) -> None:
+        """Give a sequence a row of the runners' step state; its block table there starts empty."""
+        seq.row = self.free_rows.pop()
+        seq.num_synced_blocks = 0
+
+    def _release_row(self, seq: Sequence) -> None:
+        self.free_rows.append(seq.row)
+        seq.row = None
+
     def _preempt(self, seq: Sequence) -> None:
         logger.debug("preempting %s: out of KV-cache blocks", seq.request_id)
         self.running.remove(seq)
+        self._release_row(seq)
         self.block_manager.free(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -98,6 +112,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            self.take_row(seq)
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_tokens.append(n)

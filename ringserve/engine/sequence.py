@@ -28,6 +28,8 @@ class Sequence:
         self.params = params
         self.status = Status.WAITING
         self.block_table: list[int] = []  # KV-cache block of each block_size tokens
+        self.row: int | None = None  # its row of the runners' step state while running
+        self.num_synced_blocks = 0  # leading blocks of block_table the runners already hold
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_prefix_cached_tokens = 0  # of those, found in the prefix cache
         self.block_hashes: list[int] = []  # prefix-cache hash of each full block of tokens

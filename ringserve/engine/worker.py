@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ringserve.config import EngineConfig, ModelConfig, TPShard
+from ringserve.engine.graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from ringserve.engine.kv_cache import KVCache
 from ringserve.engine.runner import ModelRunner, StepInput
 from ringserve.parallel.allreduce import AllReduce
@@ -76,9 +77,29 @@ class Worker:
             self.device,
             self.all_reduce,
             self.run_experts,
-            groups.tp_group,
-            groups.cp_group if groups.cp_size > 1 else None,
+            max_rows=ec.max_num_seqs,
+            max_model_len=max_model_len,
+            tp_group=groups.tp_group,
+            cp_group=groups.cp_group if groups.cp_size > 1 else None,
         )
+        if self.device.type == "cuda" and not ec.enforce_eager:
+            self.runner.graphs = self._capture_graphs(ec, groups)
+
+    def _capture_graphs(self, ec: EngineConfig, groups: ParallelGroups) -> DecodeGraphs | None:
+        """Decode graphs where every op of the step can be captured; eager otherwise."""
+        if groups.cp_size > 1:
+            # The pass-Q ring's shares are planned on the host per step (issue: CP layout).
+            logger.info("context parallelism: decode runs eagerly (no CUDA graphs)")
+            return None
+        if groups.ep_size > 1:
+            # Dispatch sizes (uneven all-to-all splits) are known only on the host.
+            logger.info("expert parallelism: decode runs eagerly (no CUDA graphs)")
+            return None
+        try:
+            return DecodeGraphs(self.runner, min(ec.max_num_seqs, MAX_GRAPH_BATCH))
+        except RuntimeError as e:
+            logger.warning("decode runs eagerly: capturing CUDA graphs failed (%s)", e)
+            return None
 
     def _num_blocks(self, config, shard, dtype, ec: EngineConfig, max_model_len: int) -> int:
         """Blocks from the memory budget; every rank takes the smallest so block ids agree."""

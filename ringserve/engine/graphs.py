@@ -1,0 +1,111 @@
+"""CUDA graphs of the decode step: one per batch-size bucket, replayed instead of launching
+every kernel from Python.
+
+A decode step of B sequences runs as the smallest bucket >= B; its inputs (token, position,
+row, length per sequence) are copied into static buffers, padded with rows that use the
+block tables' pad row: they write only the KV cache's scratch block and see no key, so real
+rows are unchanged. Graphs are captured at start-up, largest bucket first, in one memory
+pool; steps above the largest bucket, prefill and mixed steps run eagerly.
+
+Without capture (CPU, or to test the padding) `run` calls the same padded forward eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ringserve.paged_attention import decode_splits
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPH_BATCH = 256  # larger decode batches run eagerly (their launch cost is amortised)
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 16 up to max_batch (which is always a bucket)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    return sizes + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_batch: int, capture: bool = True):
+        self.runner = runner
+        self.buckets = decode_buckets(max_batch)
+        largest = self.buckets[-1]
+        dev = runner.device
+        # Rows: token ids, positions, block-table rows, sequence lengths; [4, largest] int64.
+        self.inputs = torch.zeros(4, largest, dtype=torch.int64, device=dev)
+        self.logits = None  # [largest, V] float32, written by every bucket's graph
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Split-KV is fixed per bucket (a graph's launch grid cannot change): sized for the
+        # longest context, a short one leaves most splits empty, which costs little.
+        self.splits = {
+            b: decode_splits(b, runner.num_kv_heads, runner.max_model_len, runner.num_sms)
+            if dev.type == "cuda"
+            else 1
+            for b in self.buckets
+        }
+        if capture:
+            self._capture_all()
+
+    def fits(self, step) -> bool:
+        return len(step.rows) <= self.buckets[-1]
+
+    def _forward(self, b: int) -> torch.Tensor:
+        ids, positions, rows, lens = self.inputs[:, :b]
+        logits = self.runner.decode_logits(ids, positions, rows, lens, self.splits[b])
+        if self.logits is None:
+            self.logits = torch.empty(
+                self.inputs.shape[1], logits.shape[1], dtype=logits.dtype, device=logits.device
+            )
+        self.logits[:b].copy_(logits)
+        return self.logits[:b]
+
+    def _capture_all(self) -> None:
+        begin = time.monotonic()
+        pool = torch.cuda.graph_pool_handle()
+        self._fill_padding(self.buckets[-1], 0)
+        with torch.inference_mode():
+            for b in reversed(self.buckets):
+                self._forward(b)  # warm-up: kernels compiled, workspaces made outside the graph
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(b)
+                self.graphs[b] = graph
+        torch.cuda.synchronize()
+        logger.info(
+            "captured %d decode CUDA graphs (batch %s) in %.1f s",
+            len(self.graphs),
+            ", ".join(map(str, self.buckets)),
+            time.monotonic() - begin,
+        )
+
+    def _fill_padding(self, b: int, first: int) -> None:
+        self.inputs[:, first:b] = 0
+        self.inputs[2, first:b] = self.runner.block_tables.pad_row
+
+    def run(self, step) -> torch.Tensor:
+        """Logits [B, V] of a decode step (block tables already updated)."""
+        n = len(step.rows)
+        b = next(size for size in self.buckets if size >= n)
+        host = torch.tensor(
+            [
+                [tokens[0] for tokens in step.token_ids],
+                step.starts,
+                step.rows,
+                [start + 1 for start in step.starts],
+            ],
+            dtype=torch.int64,
+        )
+        self.runner.host_elements += host.numel()
+        self.inputs[:, :n].copy_(host, non_blocking=True)
+        self._fill_padding(b, n)
+        if b in self.graphs:
+            self.graphs[b].replay()
+            return self.logits[:n]
+        with torch.inference_mode():
+            return self._forward(b)[:n]

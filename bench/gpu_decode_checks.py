@@ -1,0 +1,202 @@
+"""Correctness of decode with CUDA graphs before any timing (run before bench_decode.py):
+
+  python bench/gpu_decode_checks.py            # CUDA, float32; exits non-zero on a failure
+  python bench/gpu_decode_checks.py --smoke    # CPU, fewer steps: the logic only
+
+For each tiny architecture of tests/conftest.py, in float32:
+- greedy tokens over 256 decode steps (ignore_eos) with CUDA graphs equal those with
+  enforce_eager=True, at batch 1, 3 and 17 with prompts of different lengths, and at batch 17
+  with staggered max_tokens (the batch shrinks from 17 to 1 as sequences finish, so many graph
+  sizes are replayed); prompt + 256 stays under the models' 512 positions;
+- the logits of the first decode step (engine.step, batch 3, captured where they are
+  sampled) with graphs and eager are bitwise equal (torch.equal);
+- every position's logits by tests/helpers.engine_logits (batch 1: prefill of 40 tokens,
+  then 8 steps of one token) with graphs and eager are bitwise equal.
+tp=1 is the in-process executor: the multi-rank path is not run here (bench/gpu_tp_check.py
+runs tp=1 under torchrun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
+from bench_decode import engine_config, engine_kwargs, has_enforce_eager  # noqa: E402
+
+import ringserve.engine.engine as engine_module  # noqa: E402
+from ringserve import LLM, SamplingParams  # noqa: E402
+from ringserve.engine.engine import LLMEngine  # noqa: E402
+
+from conftest import ARCHITECTURES, save_tiny_model  # noqa: E402
+from helpers import engine_logits  # noqa: E402
+
+KV_CACHE_MEMORY = 256 << 20  # plenty for the tiny models; leaves the GPU to the rest
+
+failures: list[str] = []
+
+
+def report(ok: bool | None, what: str, detail: str = "") -> None:
+    word = "SKIP" if ok is None else ("PASS" if ok else "FAIL")
+    print(f"{word} {what}{': ' + detail if detail else ''}", flush=True)
+    if ok is False:
+        failures.append(what)
+
+
+def cases(max_tokens: int) -> dict[str, list[tuple[list[int], int]]]:
+    """name -> [(prompt, max_tokens)], prompts of different lengths, all within 512 positions."""
+    g = torch.Generator().manual_seed(0)
+
+    def prompt(n):
+        return torch.randint(0, 256, (n,), generator=g).tolist()
+
+    return {
+        "batch 1": [(prompt(37), max_tokens)],
+        "batch 3": [(prompt(n), max_tokens) for n in (5, 120, 250)],
+        "batch 17": [(prompt(3 + 14 * i), max_tokens) for i in range(17)],
+        "batch 17, staggered max_tokens": [
+            (prompt(10 + 13 * i), max_tokens - i * (max_tokens // 17)) for i in range(17)
+        ],
+    }
+
+
+def greedy(folder: str, device: str, eager: bool, work) -> dict[str, list[list[int]]]:
+    kw = engine_kwargs(enforce_eager=eager, kv_cache_memory=KV_CACHE_MEMORY)
+    with LLM(folder, device=device, dtype="float32", tp=1, **kw) as llm:
+        out = {}
+        for name, reqs in work.items():
+            params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs]
+            results = llm.generate([p for p, _ in reqs], params)
+            out[name] = [r.token_ids for r in results]
+            for r, (_, m) in zip(results, reqs):
+                assert len(r.token_ids) == m, f"{name}: {len(r.token_ids)} tokens, {m} asked for"
+    return out
+
+
+def first_decode_logits(folder: str, device: str, eager: bool, prompts) -> torch.Tensor | None:
+    """The logits the engine samples from at the first decode step of a batch, as computed
+    through engine.step (the graph path), captured at the sampler."""
+    engine = LLMEngine(
+        folder,
+        device=device,
+        dtype="float32",
+        engine_config=engine_config(enforce_eager=eager, kv_cache_memory=KV_CACHE_MEMORY),
+    )
+    captured = []
+    original = engine_module.sample
+
+    def recording_sample(logits, seqs):
+        captured.append(logits.detach().clone())
+        return original(logits, seqs)
+
+    engine_module.sample = recording_sample
+    try:
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        for p in prompts:
+            engine.add_request(p, params)
+        engine.step()  # the prompts
+        engine.step()  # the first decode step
+    finally:
+        engine_module.sample = original
+        engine.close()
+    return captured[1] if len(captured) == 2 else None
+
+
+def all_position_logits(folder: str, device: str, eager: bool, tokens: list[int]) -> torch.Tensor:
+    engine = LLMEngine(
+        folder,
+        device=device,
+        dtype="float32",
+        engine_config=engine_config(enforce_eager=eager, kv_cache_memory=KV_CACHE_MEMORY),
+    )
+    try:
+        return engine_logits(engine, tokens, prefill=40)
+    finally:
+        engine.close()
+
+
+def compare_logits(what: str, graphs: torch.Tensor | None, eager: torch.Tensor | None) -> None:
+    if graphs is None or eager is None:
+        report(None, what, "the logits were not captured (the step path has changed)")
+        return
+    if graphs.shape != eager.shape:
+        report(False, what, f"shapes differ: {tuple(graphs.shape)} and {tuple(eager.shape)}")
+        return
+    diff = (graphs - eager).abs().max().item()
+    report(torch.equal(graphs, eager), what, f"max abs diff {diff:.1e}, shape {tuple(graphs.shape)}")
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--smoke", action="store_true", help="CPU, 16 decode steps: the logic only")
+    args = parser.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        torch.set_num_threads(1)  # a shared 2-core host: no thread oversubscription
+    max_tokens = 16 if args.smoke else 256
+    if not has_enforce_eager():
+        msg = "EngineConfig has no enforce_eager field: graphs and eager are one path, nothing is compared"
+        if args.smoke:
+            print(f"WARNING: {msg} (smoke: the checks run all the same)")
+        else:
+            report(False, "enforce_eager", msg)
+    print(
+        "NOTE: tp=1 runs in this process (LocalExecutor): the multi-rank executor is not exercised "
+        "here; bench/gpu_tp_check.py runs tp=1 under torchrun",
+        flush=True,
+    )
+    work = cases(max_tokens)
+    logit_prompts = [p for p, _ in work["batch 3"]]
+    tokens = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(1)).tolist()
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in ARCHITECTURES:
+            folder = save_tiny_model(arch, f"{tmp}/{arch}")
+            graphs, eager = greedy(folder, device, False, work), greedy(folder, device, True, work)
+            for name in work:
+                same = [g == e for g, e in zip(graphs[name], eager[name])]
+                first_diff = next(
+                    (
+                        f"sequence {i}: first difference at token "
+                        f"{next(j for j, (a, b) in enumerate(zip(graphs[name][i], eager[name][i])) if a != b)}"
+                        for i, ok in enumerate(same)
+                        if not ok
+                    ),
+                    "",
+                )
+                steps = max(m for _, m in work[name])
+                report(
+                    all(same),
+                    f"{arch:9s} {device} fp32 greedy graphs == eager, {name}, {steps} steps",
+                    first_diff or f"{sum(len(t) for t in graphs[name])} tokens equal",
+                )
+            compare_logits(
+                f"{arch:9s} first decode step logits graphs == eager (engine.step, batch 3)",
+                first_decode_logits(folder, device, False, logit_prompts),
+                first_decode_logits(folder, device, True, logit_prompts),
+            )
+            try:
+                g = all_position_logits(folder, device, False, tokens)
+                e = all_position_logits(folder, device, True, tokens)
+            except Exception as err:  # helpers.engine_logits drives the runner directly
+                report(None, f"{arch:9s} engine_logits", f"not applicable: {type(err).__name__}: {err}")
+            else:
+                compare_logits(
+                    f"{arch:9s} every position's logits graphs == eager (engine_logits, batch 1)", g, e
+                )
+    if failures:
+        print(f"GPU DECODE CHECKS FAILED: {len(failures)}", flush=True)
+        for f in failures:
+            print(f"  {f}")
+        sys.exit(1)
+    print("GPU DECODE CHECKS PASSED" + (" (smoke: CPU)" if args.smoke else ""))
+
+
+if __name__ == "__main__":
+    main()

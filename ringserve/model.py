@@ -5,6 +5,10 @@ tensors load by name. Tokens are packed: a step's new tokens of every sequence f
 [T] row, with their global positions. Anything that crosses sequences or devices goes
 through the `ForwardContext` passed in: `ctx.attend` (the paged-cache or ring attention)
 and `ctx.all_reduce` (the tensor-parallel sum, identity on one rank).
+
+For fewer, fuller kernels per layer, q/k/v and gate/up are each one matmul (`MergedLinear`,
+filled from the checkpoint's separate tensors), residual adds run fused into the following
+RMSNorm, and RoPE rotates q and k in one pass (`ringserve.kernels`: Triton on CUDA).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringserve.config import ModelConfig, TPShard
+from ringserve.kernels import add_rms_norm, rms_norm, rotary_qk
 
 
 class ForwardContext(Protocol):
@@ -31,16 +36,40 @@ class ForwardContext(Protocol):
 
 
 class RMSNorm(nn.Module):
+    """norm(x); with a residual, (norm(x + residual), x + residual) in one fused pass."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
 
+    def forward(self, x, residual=None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class MergedLinear(nn.Linear):
+    """Projections of the same input stacked by output rows, run as one matmul.
+
+    parts: the checkpoint's names of the stacked projections (siblings of this module,
+    e.g. q_proj, k_proj, v_proj) and this rank's output rows of each, in order. The loader
+    fills each part's rows from its own tensor; forward returns one view per part.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)
+
+    def part_rows(self) -> dict[str, slice]:
+        rows, start = {}, 0
+        for name, size in self.parts.items():
+            rows[name] = slice(start, start + size)
+            start += size
+        return rows
+
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return super().forward(x).split(list(self.parts.values()), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -79,15 +108,6 @@ class RotaryEmbedding(nn.Module):
         return cos[:, None, :], sin[:, None, :]  # [T, 1, D], broadcast over heads
 
 
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x, cos, sin):
-    return x * cos + rotate_half(x) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, shard: TPShard):
         super().__init__()
@@ -96,9 +116,9 @@ class Attention(nn.Module):
         self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # [(NH + 2 NKV) * D, H]: this rank's q heads, then its k heads, then its v heads.
+        self.qkv_proj = MergedLinear(hidden, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}, bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -108,13 +128,13 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, ctx: ForwardContext):
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)  # views of one [T, (NH + 2 NKV) * D] output
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotary_qk(q, k, *rope)
         out = ctx.attend(self.layer, q, k, v)
         return ctx.all_reduce(self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)))
 
@@ -122,12 +142,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        # [2 I, H]: this rank's gate rows, then its up rows.
+        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x, ctx: ForwardContext):
-        return ctx.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        gate, up = self.gate_up_proj(x)
+        return ctx.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -160,26 +181,26 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
-    def grouped_forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [N, H]: tokens sorted by expert, counts[e] of them for local expert e -> [N, H].
+    def grouped_forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """x [N, H]: tokens sorted by expert, local expert e's rows ending at ends[e]
+        ([E] int32 on x's device, the running count) -> [N, H].
 
         Each expert runs once over its whole group (no per-token loop); an expert with no
-        token costs nothing. On a GPU in bf16, one grouped matmul runs all experts at once.
+        token costs nothing. On a GPU in bf16, one grouped matmul runs all experts at once,
+        reading the group ends on the device (no host sync).
         """
         if x.is_cuda and x.dtype == torch.bfloat16 and _grouped_mm_usable(x, self.gate_proj):
-            ends = torch.tensor(counts, device="cpu").cumsum(0).to(device=x.device, dtype=torch.int32)
             gate = torch._grouped_mm(x, self.gate_proj.transpose(1, 2), offs=ends)
             up = torch._grouped_mm(x, self.up_proj.transpose(1, 2), offs=ends)
             return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
         out = torch.empty_like(x)
         start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            h = x[start : start + count]
-            act = F.silu(h @ self.gate_proj[e].t()) * (h @ self.up_proj[e].t())
-            out[start : start + count] = act @ self.down_proj[e].t()
-            start += count
+        for e, end in enumerate(ends.tolist()):  # on a GPU a sync: this fallback is not the fast path
+            if end > start:
+                h = x[start:end]
+                act = F.silu(h @ self.gate_proj[e].t()) * (h @ self.up_proj[e].t())
+                out[start:end] = act @ self.down_proj[e].t()
+            start = end
         return out
 
 
@@ -228,9 +249,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, rope, ctx: ForwardContext):
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+    def forward(self, x, residual, rope, ctx: ForwardContext):
+        """x [T, H]: the previous layer's MLP output, residual: the stream it adds to (None at
+        the first layer, where x is the embedding) -> the same pair for this layer; the
+        hidden state is their sum. Each add runs fused into the norm after it (the last
+        layer's into the final norm)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, ctx), residual)
+        return self.mlp(h, ctx), residual
 
 
 class Backbone(nn.Module):
@@ -265,9 +294,10 @@ class Transformer(nn.Module):
         """input_ids, positions [T] -> hidden states [T, H]."""
         x = self.model.embed_tokens(input_ids, ctx)
         rope = self.model.rotary_emb(positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, rope, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, ctx)
+        return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V_local] float32: this rank's vocabulary rows (all of them on one rank)."""

@@ -1,8 +1,10 @@
 """Build a model on the meta device and fill it from safetensors files, tensor by tensor.
 
 Tensors are found by their on-disk names; MoE checkpoints keep one tensor per expert,
-which lands in its slot of the stacked expert parameter. `ShardPlan` (tensor parallelism)
-says which slice of a tensor this rank owns, so each rank reads only its own bytes.
+which lands in its slot of the stacked expert parameter, and the separate q/k/v (gate/up)
+tensors land in their rows of the model's fused qkv_proj (gate_up_proj). `ShardPlan`
+(tensor parallelism) says which slice of a tensor this rank owns, so each rank reads only
+its own bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from safetensors import safe_open
 
 from ringserve.config import ModelConfig, TPShard
 from ringserve.errors import ModelLoadError
-from ringserve.model import Experts, Transformer
+from ringserve.model import Experts, MergedLinear, Transformer
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,21 @@ class ShardPlan:
     def local_expert(self, expert: int) -> int | None:
         """Where on-disk expert `expert` goes in this rank's stack; None: not on this rank."""
         return expert
+
+
+def merged_parts(model: Transformer) -> dict[str, tuple[str, slice]]:
+    """The checkpoint names of the projections a `MergedLinear` stacks -> (its parameter,
+    their rows in it): `...self_attn.k_proj.weight` -> (`...self_attn.qkv_proj.weight`, the
+    rows after this rank's q heads)."""
+    parts = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, MergedLinear):
+            parent = module_name.rpartition(".")[0]
+            kinds = ("weight", "bias") if module.bias is not None else ("weight",)
+            for part, rows in module.part_rows().items():
+                for kind in kinds:
+                    parts[f"{parent}.{part}.{kind}"] = (f"{module_name}.{kind}", rows)
+    return parts
 
 
 def checkpoint_files(folder: str) -> list[str]:
@@ -153,16 +170,22 @@ def load_weights(
     """
     plan = plan or ShardPlan()
     params = dict(model.named_parameters())
+    merged = merged_parts(model)
+    # What must be filled, by checkpoint name: every parameter, a merged one by its parts.
+    expected = {n: p for n, p in params.items() if n not in {target for target, _ in merged.values()}}
+    expected.update({part: params[target] for part, (target, _) in merged.items()})
     filled: dict[str, set] = {}
     from tqdm import tqdm
 
-    progress = tqdm(total=len(params), desc="Loading weights", unit="tensor", disable=not show_progress)
+    progress = tqdm(total=len(expected), desc="Loading weights", unit="tensor", disable=not show_progress)
     source = _memory_tensors(tensors) if tensors is not None else _file_tensors(folder)
     for name, origin, read in source:
         if _IGNORED.search(name):
             continue
         param_name, expert = checkpoint_param_name(name)
-        param = params.get(param_name)
+        # The plan slices by checkpoint name (q_proj, ...); the rows go into the merged parameter.
+        target_name, rows = merged.get(param_name, (param_name, None))
+        param = params.get(target_name)
         if param is None:
             if name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
@@ -173,6 +196,8 @@ def load_weights(
             if expert is None:
                 continue  # another expert-parallel rank's expert: not read
         target = param[expert] if expert is not None else param
+        if rows is not None:
+            target = target[rows]
         try:
             tensor = read(lambda shape, param_name=param_name: plan.local_slice(param_name, shape))
         except Exception as e:
@@ -203,7 +228,7 @@ def load_weights(
         for p in ("gate_proj", "up_proj", "down_proj")
     }
     missing = []
-    for name, param in params.items():
+    for name, param in expected.items():
         done = filled.get(name, set())
         if name in stacked:
             absent = sorted(set(range(param.shape[0])) - done)

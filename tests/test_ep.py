@@ -107,3 +107,59 @@ def test_ep_needs_experts_that_divide(tiny_model_dir):
         LLM(tiny_model_dir("llama"), device="cpu", tp=2, ep=2)
     with pytest.raises(ValueError, match="has 6 experts"):
         LLM(tiny_model_dir("qwen3_moe"), device="cpu", tp=4, ep=4)
+
+
+def test_local_experts_read_nothing_back_from_the_device(monkeypatch):
+    """One rank's MoE path takes every (token, choice) pair as it is: no nonzero (its size is
+    data), no bincount, no .tolist() or .item(); on a GPU each would wait for the device in
+    every MoE layer. The experts get their group ends as a tensor (only the CPU loop, here,
+    reads them on the host)."""
+    experts, num_experts, tokens, top_k = _experts(6), 6, 10, 3
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, 16, generator=g)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    ids[0] = torch.tensor([5, 0, 2])  # out of order within a token
+    w = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
+
+    def expert(e, h):
+        return (torch.nn.functional.silu(h @ experts.gate_proj[e].t()) * (h @ experts.up_proj[e].t())) @ (
+            experts.down_proj[e].t()
+        )
+
+    expected = torch.stack(
+        [sum(w[t, j] * expert(ids[t, j], x[t]) for j in range(top_k)) for t in range(tokens)]
+    )
+    reading_allowed, ends_seen = [False], []
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the local MoE path synchronised with the device")
+
+    def guarded(real):
+        def call(*args, **kwargs):
+            if not reading_allowed[0]:
+                forbidden()
+            return real(*args, **kwargs)
+
+        return call
+
+    real_grouped = Experts.grouped_forward
+
+    def grouped_forward(self, rows, ends):
+        ends_seen.append(ends)
+        reading_allowed[0] = True  # the CPU loop reads the ends: the CPU is the host
+        try:
+            return real_grouped(self, rows, ends)
+        finally:
+            reading_allowed[0] = False
+
+    monkeypatch.setattr(Experts, "grouped_forward", grouped_forward)
+    for name in ("nonzero", "bincount", "unique"):
+        monkeypatch.setattr(torch, name, guarded(getattr(torch, name)))
+    for name in ("nonzero", "tolist", "item", "bincount"):
+        monkeypatch.setattr(torch.Tensor, name, guarded(getattr(torch.Tensor, name)))
+    got = LocalExperts(lambda y: y)(experts, x, ids, w)
+    monkeypatch.undo()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    (ends,) = ends_seen
+    assert ends.dtype == torch.int32
+    assert ends.tolist() == torch.bincount(ids.flatten(), minlength=num_experts).cumsum(0).tolist()

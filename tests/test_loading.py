@@ -98,3 +98,62 @@ def test_gguf_path_that_does_not_exist():
 def test_unknown_dtype(tiny_model_dir):
     with pytest.raises(ValueError, match="unknown dtype"):
         LLM(tiny_model_dir("llama"), device="cpu", dtype="float8")
+
+
+def test_missing_fused_part_is_named(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "missing_k"
+    shutil.copytree(tiny_model_dir("qwen3"), folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.0.self_attn.k_proj.weight"]
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"lacks 2 tensor.*layers\.0\.self_attn\.k_proj\.weight") as e:
+        LLM(str(folder), device="cpu")
+    assert "model.layers.1.mlp.up_proj.weight" in str(e.value)
+
+
+def test_fused_part_shape_mismatch_names_the_tensor(tmp_path, tiny_model_dir):
+    folder = tmp_path / "wrong_kv"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_key_value_heads"] = 1  # the checkpoint has 2
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"self_attn\.k_proj\.weight in .* shape \(32, 64\).*\(16, 64\)"):
+        LLM(str(folder), device="cpu")
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_fused_rows_hold_each_ranks_slices(rank, tiny_model_dir):
+    """From the in-memory mapping: qkv_proj is this rank's q heads, then its k and v heads
+    (at tp=4 each of the 2 KV heads is on two ranks), gate_up_proj its gate then up rows."""
+    from ringserve.config import ModelConfig, TPShard
+    from ringserve.parallel.tp import TensorParallelPlan
+    from ringserve.weights import load_model
+
+    folder = tiny_model_dir("qwen3")  # q_norm/k_norm; head_dim 32 with 4 heads
+    hf = hf_model(folder).state_dict()
+    config = ModelConfig.from_pretrained(folder)
+    tp = 4 if rank == 3 else 2
+    shard = TPShard.of(config, rank, tp)
+    plan = TensorParallelPlan(config, shard) if tp > 1 else None
+    model = load_model(config, None, torch.device("cpu"), torch.float32, plan, tensors=hf, shard=shard)
+    d, inter = config.head_dim, shard.intermediate_size
+    q_rows, kv_rows = shard.num_heads * d, shard.num_kv_heads * d
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        qkv = model.get_parameter(f"{p}.self_attn.qkv_proj.weight")
+        q0, kv0 = rank * q_rows, shard.kv_head_start * d
+        expected = torch.cat(
+            [
+                hf[f"{p}.self_attn.q_proj.weight"][q0 : q0 + q_rows],
+                hf[f"{p}.self_attn.k_proj.weight"][kv0 : kv0 + kv_rows],
+                hf[f"{p}.self_attn.v_proj.weight"][kv0 : kv0 + kv_rows],
+            ]
+        )
+        assert torch.equal(qkv, expected)
+        gate_up = model.get_parameter(f"{p}.mlp.gate_up_proj.weight")
+        rows = slice(rank * inter, (rank + 1) * inter)
+        expected = torch.cat([hf[f"{p}.mlp.gate_proj.weight"][rows], hf[f"{p}.mlp.up_proj.weight"][rows]])
+        assert torch.equal(gate_up, expected)

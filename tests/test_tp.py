@@ -48,8 +48,10 @@ def test_each_rank_holds_its_share_of_the_weights(tiny_model_dir):
         params = dict(model.named_parameters())
     total = sum(p.numel() for p in params.values())
     replicated = sum(p.numel() for n, p in params.items() if "norm" in n or n.endswith("mlp.gate.weight"))
-    kv = sum(p.numel() for n, p in params.items() if "k_proj" in n or "v_proj" in n)
-    num_kv_heads = model.config.num_key_value_heads  # 2
+    config = model.config
+    num_kv_heads = config.num_key_value_heads  # 2
+    # k and v rows of the fused qkv_proj weights
+    kv = config.num_hidden_layers * 2 * num_kv_heads * config.head_dim * config.hidden_size
     for tp in (2, 4):
         with LLM(folder, device="cpu", dtype="float32", tp=tp) as llm:
             held = sum(p.numel() for p in llm.engine.executor.worker.model.parameters())

@@ -27,18 +27,27 @@ from ringserve.model import Experts
 from ringserve.parallel.comm import all_gather_stacked
 
 
-def _run_rows(experts: Experts, rows, expert_ids, weights, first_expert: int):
+def _run_rows(experts: Experts, rows, expert_ids, weights, first_expert: int, all_local: bool = False):
     """rows [N, H]; expert_ids, weights [N, k] (-1: no expert) -> [N, H] = sum_j w_j * e_j(row).
 
     Each local expert runs once over all the rows that chose it (grouped, no per-token loop).
+    all_local: every id is one of this rank's experts (no -1), so all N * k pairs are taken
+    as they are. Nothing here waits for the GPU then: no nonzero (its size is data), and the
+    group ends come from a search on the device, not a bincount (which reads its max).
     """
-    row_of, slot = torch.nonzero(expert_ids >= 0, as_tuple=True)
-    local = expert_ids[row_of, slot] - first_expert
+    if all_local:
+        top_k = expert_ids.shape[1]
+        row_of = torch.arange(expert_ids.numel(), device=rows.device) // top_k  # [N * k]
+        local, w = expert_ids.flatten() - first_expert, weights.flatten()
+    else:
+        row_of, slot = torch.nonzero(expert_ids >= 0, as_tuple=True)
+        local, w = expert_ids[row_of, slot] - first_expert, weights[row_of, slot]
     order = torch.argsort(local, stable=True)
-    counts = torch.bincount(local, minlength=experts.gate_proj.shape[0]).tolist()
-    y = torch.empty(len(order), rows.shape[1], dtype=rows.dtype, device=rows.device)
-    y[order] = experts.grouped_forward(rows[row_of[order]], counts)
-    y = y * weights[row_of, slot].unsqueeze(-1)
+    row_of, local, w = row_of[order], local[order], w[order]
+    # ends[e]: pairs routed to local experts 0..e, i.e. where expert e's group ends.
+    experts_here = torch.arange(experts.gate_proj.shape[0], device=rows.device)
+    ends = torch.searchsorted(local, experts_here, right=True, out_int32=True)
+    y = experts.grouped_forward(rows[row_of], ends) * w.unsqueeze(-1)
     return torch.zeros_like(rows).index_add_(0, row_of, y)
 
 
@@ -47,7 +56,7 @@ class LocalExperts:
         self.all_reduce = all_reduce
 
     def __call__(self, experts: Experts, x, expert_ids, weights):
-        return self.all_reduce(_run_rows(experts, x, expert_ids, weights, 0))
+        return self.all_reduce(_run_rows(experts, x, expert_ids, weights, 0, all_local=True))
 
 
 def _exchange(rows, extras: list, send_counts, group):

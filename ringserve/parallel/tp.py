@@ -1,7 +1,8 @@
 """Tensor parallelism: which slice of each weight a rank holds.
 
 Column-parallel (output rows split): q/k/v, gate/up (and each expert's), the vocabulary
-of the embedding and LM head. Row-parallel (input columns split): o_proj and down_proj,
+of the embedding and LM head. Slices are given by on-disk name (q_proj, ...); the loader
+writes a rank's q/k/v (gate/up) slices into their rows of its fused qkv_proj (gate_up_proj). Row-parallel (input columns split): o_proj and down_proj,
 whose partial outputs the model sums with `ctx.all_reduce`. Norms and the MoE router are
 replicated. When tp exceeds the KV heads, each KV head is replicated on the ranks whose
 query heads use it.

@@ -1,0 +1,264 @@
+"""Fused element-wise kernels of the decoder layer: RMSNorm (with the residual add) and RoPE.
+
+Decode is launch-bound: the torch forms below take several kernels and float32
+temporaries each (cast, square, mean, rsqrt, scale, cast, multiply; cat and neg for the
+rotation). On CUDA one Triton launch reads its inputs once and writes its outputs once.
+The torch forms are the reference (Hugging Face's arithmetic, step by step) and run
+elsewhere; the Triton ones reproduce their roundings (sum, normalised value, products
+rounded to the input dtype where HF rounds them), accumulating in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU builds of torch come without Triton
+    triton = None
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x ([..., C]; any strides but the last)."""
+    if _use_triton(x):
+        return _rms_norm_triton(x, None, weight, eps)[0]
+    return _rms_norm_torch(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual) for x, residual [T, C]; the sum is rounded to
+    x's dtype before it is normalised, as in HF's `hidden = residual + hidden; norm(hidden)`."""
+    if _use_triton(x):
+        return _rms_norm_triton(x, residual, weight, eps)
+    total = residual + x
+    return _rms_norm_torch(total, weight, eps), total
+
+
+def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """HF RoPE (rotate_half convention) of q [T, NH, D] and k [T, NKV, D]; cos, sin [T, 1, D]
+    in q's dtype, their two halves equal. Returns new contiguous (q, k)."""
+    if _use_triton(q):
+        return _rotary_triton(q, k, cos, sin)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+# ---- torch references (HF's code) ----
+
+
+def _rms_norm_torch(x, weight, eps):
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x, cos, sin):
+    return x * cos + rotate_half(x) * sin
+
+
+# ---- Triton ----
+
+
+def _num_warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def _rms_norm_triton(x, residual, weight, eps):
+    """x [T, C] or [T, heads, C], read in place at its strides (q_norm reads the heads
+    straight out of the fused qkv output); residual [T, C]. Outputs are contiguous."""
+    shape, cols = x.shape, x.shape[-1]
+    if x.dim() not in (2, 3):
+        x = x.reshape(-1, cols)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    # Row r of x is (r // inner, r % inner) at strides (stride_outer, stride_inner).
+    inner = x.shape[1] if x.dim() == 3 else 1
+    stride_inner = x.stride(1) if x.dim() == 3 else 0
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    has_residual = residual is not None
+    if has_residual:
+        residual = residual.reshape(-1, cols)
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+        total = torch.empty(shape, dtype=x.dtype, device=x.device)
+    else:
+        residual, total = x, out  # not read: HAS_RESIDUAL is off
+    rows = out.numel() // max(cols, 1)
+    if rows == 0:
+        return out, total
+    block = triton.next_power_of_2(cols)
+    _rms_norm_kernel[(rows,)](
+        x,
+        residual,
+        weight,
+        out,
+        total,
+        inner,
+        x.stride(0),
+        stride_inner,
+        residual.stride(0),
+        cols,
+        eps,
+        HAS_RESIDUAL=has_residual,
+        BLOCK=block,
+        num_warps=_num_warps(block),
+    )
+    return out, total
+
+
+def _rotary_triton(q, k, cos, sin):
+    tokens, num_q, head_dim = q.shape
+    num_k = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if tokens == 0:
+        return q_out, k_out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
+    half = head_dim // 2
+    block_d = triton.next_power_of_2(half)
+    block_q, block_k = triton.next_power_of_2(num_q), triton.next_power_of_2(num_k)
+    _rotary_kernel[(tokens,)](
+        q,
+        k,
+        cos,
+        sin,
+        q_out,
+        k_out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        num_q,
+        num_k,
+        half,
+        BLOCK_Q=block_q,
+        BLOCK_K=block_k,
+        BLOCK_D=block_d,
+        num_warps=_num_warps(max(block_q, block_k) * block_d),
+    )
+    return q_out, k_out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr,  # row r = (r // inner, r % inner) at those strides, C contiguous
+        res_ptr,  # [rows, C] at res_stride
+        w_ptr,  # [C]
+        out_ptr,  # [rows, C] contiguous
+        total_ptr,  # [rows, C] contiguous: x + residual
+        inner,
+        stride_outer,
+        stride_inner,
+        res_stride,
+        cols,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)  # 64-bit: rows * C passes 2^31 in long prefills
+        c = tl.arange(0, BLOCK)
+        ok = c < cols
+        x = tl.load(
+            x_ptr + (row // inner) * stride_outer + (row % inner) * stride_inner + c, mask=ok, other=0.0
+        )
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * res_stride + c, mask=ok, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(total_ptr.dtype.element_ty)  # HF adds in x's dtype
+            tl.store(total_ptr + row * cols + c, x, mask=ok)
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / cols + eps)
+        normed = (xf * rstd).to(out_ptr.dtype.element_ty)  # HF casts back before the weight
+        w = tl.load(w_ptr + c, mask=ok, other=0.0)
+        tl.store(
+            out_ptr + row * cols + c,
+            (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty),
+            mask=ok,
+        )
+
+    @triton.jit
+    def _rotate_heads(src, head_stride, dst, num_heads, half, cos, sin, d, d_ok, BLOCK_H: tl.constexpr):
+        """One token's heads [H, 2 * half] -> dst contiguous. HF: x * cos + rotate_half(x) * sin,
+        each product and the sum rounded to x's dtype."""
+        h = tl.arange(0, BLOCK_H)
+        ok = (h < num_heads)[:, None] & d_ok[None, :]
+        src_off = h[:, None] * head_stride + d[None, :]
+        x1 = tl.load(src + src_off, mask=ok, other=0.0)
+        x2 = tl.load(src + src_off + half, mask=ok, other=0.0)
+        dt = x1.dtype
+        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+        c, s = cos[None, :], sin[None, :]
+        # rotate_half(x) = (-x2, x1): first half x1 c - x2 s, second half x2 c + x1 s
+        lo = (x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)
+        hi = (x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)
+        dst_off = h[:, None] * (2 * half) + d[None, :]
+        tl.store(dst + dst_off, lo.to(dt), mask=ok)
+        tl.store(dst + dst_off + half, hi.to(dt), mask=ok)
+
+    @triton.jit
+    def _rotary_kernel(
+        q_ptr,  # [T, NH, D], last dim contiguous (a view of the fused qkv output is fine)
+        k_ptr,  # [T, NKV, D]
+        cos_ptr,  # [T, D] (both halves equal: only the first is read)
+        sin_ptr,
+        q_out,  # [T, NH, D] contiguous
+        k_out,  # [T, NKV, D] contiguous
+        q_stride_t,
+        q_stride_h,
+        k_stride_t,
+        k_stride_h,
+        cos_stride_t,
+        sin_stride_t,
+        num_q,
+        num_k,
+        half,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)  # one token: all its q and k heads
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < half
+        cos = tl.load(cos_ptr + t * cos_stride_t + d, mask=d_ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + t * sin_stride_t + d, mask=d_ok, other=0.0).to(tl.float32)
+        _rotate_heads(
+            q_ptr + t * q_stride_t,
+            q_stride_h,
+            q_out + t * num_q * 2 * half,
+            num_q,
+            half,
+            cos,
+            sin,
+            d,
+            d_ok,
+            BLOCK_Q,
+        )
+        _rotate_heads(
+            k_ptr + t * k_stride_t,
+            k_stride_h,
+            k_out + t * num_k * 2 * half,
+            num_k,
+            half,
+            cos,
+            sin,
+            d,
+            d_ok,
+            BLOCK_K,
+        )

@@ -1,0 +1,72 @@
+"""The Triton RMSNorm (with and without the residual add) and RoPE kernels (kernels.py)
+against their torch references, run on the CPU by Triton's interpreter (TRITON_INTERPRET=1,
+set before the kernels are defined: hence a fresh process).
+
+float32 must agree to rounding. In bfloat16 the interpreter rounds float32 -> bfloat16 by
+truncation (a GPU rounds to nearest), so there each rounding may differ by one bfloat16 step.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import torch
+from ringserve import kernels as K
+
+torch.manual_seed(0)
+tokens, hidden, eps = 7, 96, 1e-6  # 96: not a power of two, masked columns
+# bfloat16: up to three truncations in a row (sum, normalised value, product), each a step of
+# 2^-7 relative; RoPE's difference of two rounded products, a step of the larger (|x| < 4).
+for dtype, rtol, atol in ((torch.float32, 1e-6, 1e-6), (torch.bfloat16, 3 * 2**-7, 2**-5)):
+    def check(got, want):
+        assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.shape)
+        torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+
+    # add + norm over a residual stream whose rows are strided (a view of a wider tensor)
+    x = torch.randn(tokens, hidden).to(dtype)
+    residual = torch.randn(tokens, 2 * hidden).to(dtype)[:, :hidden]
+    weight = torch.rand(hidden).add(0.5).to(dtype)
+    normed, total = K._rms_norm_triton(x, residual, weight, eps)
+    check(total, residual + x)
+    check(normed, K._rms_norm_torch(residual + x, weight, eps))
+    check(K._rms_norm_triton(x, None, weight, eps)[0], K._rms_norm_torch(x, weight, eps))
+
+    # q/k heads read straight out of a fused qkv output: q [T, NH, D] at a token stride
+    nh, nkv, d = 4, 2, 24
+    qkv = torch.randn(tokens, (nh + 2 * nkv) * d).to(dtype)
+    q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
+    q, k = q.view(tokens, nh, d), k.view(tokens, nkv, d)
+    w_head = torch.rand(d).add(0.5).to(dtype)
+    check(K._rms_norm_triton(q, None, w_head, eps)[0], K._rms_norm_torch(q, w_head, eps))
+    check(K._rms_norm_triton(k, None, w_head, eps)[0], K._rms_norm_torch(k, w_head, eps))
+
+    # RoPE on q and k in one launch, positions far apart (large angles)
+    positions = torch.tensor([0, 1, 2, 3, 1000, 4095, 70000]).float()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat([positions[:, None] * inv_freq] * 2, dim=-1)
+    cos, sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [T, 1, D]
+    q_rot, k_rot = K._rotary_triton(q, k, cos, sin)
+    assert q_rot.is_contiguous() and k_rot.is_contiguous()
+    check(q_rot, K.apply_rotary(q, cos, sin))
+    check(k_rot, K.apply_rotary(k, cos, sin))
+    assert torch.equal(qkv[:, : nh * d].view(tokens, nh, d), q)  # inputs untouched
+
+# No tokens: nothing launched, empty outputs.
+empty = torch.randn(0, hidden)
+assert K._rms_norm_triton(empty, empty, weight.float(), eps)[0].shape == (0, hidden)
+assert K._rotary_triton(q[:0], k[:0], cos[:0], sin[:0])[0].shape == (0, nh, d)
+print("ok")
+"""
+
+
+def test_triton_norm_and_rope_kernels_match_torch():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-4000:]

@@ -47,6 +47,24 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2I] (gate columns, then up) -> [T, I]: HF's
+    `act_fn(gate_proj(x)) * up_proj(x)`, each result rounded to the input dtype."""
+    if _use_triton(gate_up):
+        return _silu_mul_triton(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def store_kv(k, v, k_cache, v_cache, slots) -> None:
+    """k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] for k, v [T, NKV, D] (each token's
+    heads contiguous; v may be a view into the fused qkv output), caches [S, NKV, D]."""
+    if _use_triton(k):
+        return _store_kv_triton(k, v, k_cache, v_cache, slots)
+    k_cache[slots] = k
+    v_cache[slots] = v
+
+
 # ---- torch references (HF's code) ----
 
 
@@ -155,7 +173,67 @@ def _rotary_triton(q, k, cos, sin):
     return q_out, k_out
 
 
+def _silu_mul_triton(gate_up):
+    tokens, width = gate_up.shape
+    half = width // 2
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    out = torch.empty(tokens, half, dtype=gate_up.dtype, device=gate_up.device)
+    if tokens == 0:
+        return out
+    block = 1024
+    _silu_mul_kernel[(tokens, triton.cdiv(half, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), half, BLOCK=block, num_warps=4
+    )
+    return out
+
+
+def _store_kv_triton(k, v, k_cache, v_cache, slots):
+    tokens, heads, head_dim = k.shape
+    row = heads * head_dim
+    if tokens == 0:
+        return
+    if k.stride(2) != 1 or k.stride(1) != head_dim:
+        k = k.contiguous()
+    if v.stride(2) != 1 or v.stride(1) != head_dim:
+        v = v.contiguous()
+    block = triton.next_power_of_2(row)
+    _store_kv_kernel[(tokens,)](
+        k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0), row,
+        BLOCK=block, num_warps=_num_warps(block),
+    )  # fmt: skip
+
+
 if triton is not None:
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, half, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < half
+        gate = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + t * stride_x + half + cols, mask=ok, other=0.0)
+        act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # silu, rounded as F.silu rounds
+        tl.store(
+            out_ptr + t * stride_out + cols, (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype), mask=ok
+        )
+
+    @triton.jit
+    def _store_kv_kernel(
+        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_k, stride_v, stride_kc, stride_vc, row,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # One program per new token: its K and V rows (all heads) to its cache slot.
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < row
+        tl.store(
+            k_cache_ptr + slot * stride_kc + cols, tl.load(k_ptr + t * stride_k + cols, mask=ok), mask=ok
+        )
+        tl.store(
+            v_cache_ptr + slot * stride_vc + cols, tl.load(v_ptr + t * stride_v + cols, mask=ok), mask=ok
+        )
 
     @triton.jit
     def _rms_norm_kernel(

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringserve.config import ModelConfig, TPShard
-from ringserve.kernels import add_rms_norm, rms_norm, rotary_qk
+from ringserve.kernels import add_rms_norm, rms_norm, rotary_qk, silu_mul
 
 
 class ForwardContext(Protocol):
@@ -68,8 +68,12 @@ class MergedLinear(nn.Linear):
             start += size
         return rows
 
+    def fused(self, x):
+        """The parts side by side, [T, sum of rows] (for kernels that take them so)."""
+        return super().forward(x)
+
     def forward(self, x):
-        return super().forward(x).split(list(self.parts.values()), dim=-1)
+        return self.fused(x).split(list(self.parts.values()), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -147,8 +151,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x, ctx: ForwardContext):
-        gate, up = self.gate_up_proj(x)
-        return ctx.all_reduce(self.down_proj(F.silu(gate) * up))
+        return ctx.all_reduce(self.down_proj(silu_mul(self.gate_up_proj.fused(x))))
 
 
 class VocabParallelEmbedding(nn.Module):

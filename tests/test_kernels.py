@@ -60,6 +60,24 @@ for dtype, rtol, atol in ((torch.float32, 1e-6, 1e-6), (torch.bfloat16, 3 * 2**-
 empty = torch.randn(0, hidden)
 assert K._rms_norm_triton(empty, empty, weight.float(), eps)[0].shape == (0, hidden)
 assert K._rotary_triton(q[:0], k[:0], cos[:0], sin[:0])[0].shape == (0, nh, d)
+# silu(gate) * up over the fused gate_up output (width not a multiple of the block)
+for dtype in (torch.float32, torch.bfloat16):
+    gate_up = torch.randn(5, 2 * 1500).to(dtype)
+    want = torch.nn.functional.silu(gate_up[:, :1500]) * gate_up[:, 1500:]
+    got = K._silu_mul_triton(gate_up)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-6 if dtype == torch.float32 else 2**-6, atol=1e-6)
+
+# new K/V rows to their cache slots; v a view into a fused qkv output
+qkv = torch.randn(6, 3 * 2 * 16)
+k = qkv[:, 32:64].view(6, 2, 16).contiguous()
+v = qkv[:, 64:].view(6, 2, 16)
+k_cache, v_cache = torch.zeros(40, 2, 16), torch.zeros(40, 2, 16)
+slots = torch.tensor([3, 17, 4, 39, 0, 22])
+K._store_kv_triton(k, v, k_cache, v_cache, slots)
+want_k, want_v = torch.zeros(40, 2, 16), torch.zeros(40, 2, 16)
+want_k[slots], want_v[slots] = k, v
+assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 print("ok")
 """
 

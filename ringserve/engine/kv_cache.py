@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ringserve.attention import VarlenBatch, attention_with_lse
+from ringserve.kernels import store_kv
 from ringserve.paged_attention import PagedBatch, paged_attention
 
 
@@ -53,8 +54,7 @@ class _StepContext:
     def write_kv(self, layer: int, k, v):
         """Store the new tokens' KV; returns this layer's cache tensors."""
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
-        k_cache[self.slot_mapping] = k
-        v_cache[self.slot_mapping] = v
+        store_kv(k, v, k_cache, v_cache, self.slot_mapping)
         return k_cache, v_cache
 
     def all_reduce(self, x):

@@ -55,8 +55,12 @@ def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float):
         # cached prefix (chunked prefill, follow-up turns). Batches with short or many rows
         # (decode, mixed steps) take one flash varlen call.
         if batch.q_bounds is not None and (batch.q_bounds == batch.k_bounds or _long_chunks(batch.q_bounds)):
-            return _cudnn_per_sequence(q, k, v, batch.q_bounds, batch.k_bounds, scale)
+            return _dense_per_sequence(q, k, v, batch.q_bounds, batch.k_bounds, scale)
         return _flash_varlen(q, k, v, batch, scale)
+    if not q.is_cuda and batch.causal_suffix and batch.q_bounds is not None:
+        # PyTorch's flash kernel for the CPU, per sequence (every step the engine runs on a
+        # CPU: prompts, chunks, decode rows); it never holds a [Lq, Lk] score matrix.
+        return _dense_per_sequence(q, k, v, batch.q_bounds, batch.k_bounds, scale)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and batch.q_positions_host is not None:
         return _planned(q, k, v, batch.plan(), batch, scale)
     return _math_varlen(q, k, v, batch, scale)
@@ -69,8 +73,8 @@ def attention_rows(q, k, v, batch: VarlenBatch, scale: float):
     A zigzag ring step where only the late chunk sees the other rank's keys computes and
     returns just that chunk: no zero-filled rows to write, or to read again when merging.
     """
-    # cuDNN blocks on a GPU; on a CPU the same blocks in float32 arithmetic (so the ring's
-    # row runs are exercised by the CPU tests too).
+    # cuDNN blocks on a GPU; on a CPU the same blocks through the CPU flash kernel (so the
+    # ring's row runs are exercised by the CPU tests too).
     blocks_here = q.dtype in (torch.float16, torch.bfloat16) if q.is_cuda else True
     if blocks_here and batch.q_positions_host is not None:
         group = batch.plan().single_group()
@@ -163,57 +167,61 @@ def _dense_block(q, k, v, causal: bool, scale: float):
     """One block with no mask, or a causal diagonal (Lq == Lk): q [Lq, NH, D], k/v [Lk, NKV, D]."""
     global _CUDNN_GQA
     group = q.shape[1] // k.shape[1]
-    qs = q.transpose(0, 1).unsqueeze(0)
-    if q.is_cuda:
-        if _CUDNN_GQA is not False or group == 1:
-            try:
-                out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                    qs,
-                    k.transpose(0, 1).unsqueeze(0),
-                    v.transpose(0, 1).unsqueeze(0),
-                    None,
-                    True,
-                    0.0,
-                    causal,
-                    False,
-                    scale=scale,
-                )
-                if group > 1:
-                    _CUDNN_GQA = True
-                return out[0].transpose(0, 1), lse[0].reshape(q.shape[1], q.shape[0]).transpose(0, 1)
-            except RuntimeError:
-                if group == 1:
-                    raise
-                _CUDNN_GQA = False
+    # [1, H, L, D] views of the packed [L, H, D] rows; the kernels read the strides.
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    if not q.is_cuda:
+        # The CPU flash kernel: tiles of scores in float32 (also for bfloat16 inputs), output
+        # in q's dtype, LSE [1, NH, Lq] float32. It takes NKV < NH heads (query head h reads
+        # KV head h // group), so GQA needs no copy; its causal flag is top-left aligned,
+        # which is what a diagonal block (Lq == Lk) needs.
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qs, ks, vs, 0.0, causal, attn_mask=None, scale=scale
+        )
+        return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+    if _CUDNN_GQA is not False or group == 1:
+        try:
+            out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                qs, ks, vs, None, True, 0.0, causal, False, scale=scale
+            )
+            if group > 1:
+                _CUDNN_GQA = True
+            return out[0].transpose(0, 1), lse[0].reshape(q.shape[1], q.shape[0]).transpose(0, 1)
+        except RuntimeError:
+            if group == 1:
+                raise
+            _CUDNN_GQA = False
     ks = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     vs = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    if q.is_cuda:
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            qs, ks, vs, None, True, 0.0, causal, False, scale=scale
-        )
-    else:  # the same arithmetic in float32, for checks without a GPU
-        scores = torch.matmul(qs.float(), ks.float().transpose(-1, -2)) * scale
-        if causal:
-            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)
-        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), vs.float()).to(q.dtype)
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        qs, ks, vs, None, True, 0.0, causal, False, scale=scale
+    )
     return out[0].transpose(0, 1), lse[0].reshape(q.shape[1], q.shape[0]).transpose(0, 1)
 
 
-def _cudnn_per_sequence(q, k, v, q_bounds: list[int], k_bounds: list[int], scale: float):
-    """Each sequence's queries are its last keys' positions. cuDNN's causal flag is top-left
-    aligned, so a chunk after a cached prefix is two calls: the prefix unmasked, then the
-    chunk's own causal diagonal, merged by LSE."""
+def _dense_per_sequence(q, k, v, q_bounds: list[int], k_bounds: list[int], scale: float):
+    """Each sequence's queries are its last keys' positions (causal_suffix), one dense call
+    or two per sequence: cuDNN on a GPU, the flash kernel on a CPU. Both causal flags are
+    top-left aligned, so a chunk after a cached prefix is two calls: the prefix unmasked,
+    then the chunk's own causal diagonal, merged by LSE. A single query (decode) sees all
+    its keys: one unmasked call."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     for i in range(len(q_bounds) - 1):
         q0, q1, k0, k1 = q_bounds[i], q_bounds[i + 1], k_bounds[i], k_bounds[i + 1]
-        prefix = k1 - (q1 - q0)  # where the chunk's own keys start
-        group = [Block(q0, q1, prefix, k1, True)]
-        if prefix > k0:
-            group.insert(0, Block(q0, q1, k0, prefix, False))
+        if q1 == q0:
+            continue
+        if q1 - q0 == 1:
+            group = [Block(q0, q1, k0, k1, False)]
+        else:
+            prefix = k1 - (q1 - q0)  # where the chunk's own keys start
+            group = [Block(q0, q1, prefix, k1, True)]
+            if prefix > k0:
+                group.insert(0, Block(q0, q1, k0, prefix, False))
         out[q0:q1], lse[q0:q1] = _attend_group(q, k, v, group, scale)
     return out, lse
+
+
+_cudnn_per_sequence = _dense_per_sequence  # its name on the GPU only (bench/bench_ring_calls.py)
 
 
 def _flash_varlen(q, k, v, batch: VarlenBatch, scale: float):

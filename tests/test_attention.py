@@ -1,5 +1,6 @@
 """The local attention op and the log-sum-exp merge, against PyTorch's SDPA."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -20,16 +21,20 @@ def reference(q, k, v, q_pos, k_pos):
     return out, lse
 
 
-def packed(lengths_q, lengths_k, nh=6, nkv=2, d=16, seed=0):
+def packed(lengths_q, lengths_k, nh=6, nkv=2, d=16, seed=0, host_bounds=False, dtype=torch.float32):
+    """Random packed sequences, each's queries the last of its keys. host_bounds: with the
+    host copies of the boundaries the engine passes (which the per-sequence paths need)."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(sum(lengths_q), nh, d, generator=g)
-    k = torch.randn(sum(lengths_k), nkv, d, generator=g)
-    v = torch.randn(sum(lengths_k), nkv, d, generator=g)
+    q = torch.randn(sum(lengths_q), nh, d, generator=g).to(dtype)
+    k = torch.randn(sum(lengths_k), nkv, d, generator=g).to(dtype)
+    v = torch.randn(sum(lengths_k), nkv, d, generator=g).to(dtype)
     cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
     q_pos = torch.cat([torch.arange(lk - lq, lk) for lq, lk in zip(lengths_q, lengths_k)])
     k_pos = torch.cat([torch.arange(lk) for lk in lengths_k])
     batch = VarlenBatch(cu_q, cu_k, max(lengths_q), max(lengths_k), q_pos, k_pos)
+    if host_bounds:
+        batch.q_bounds, batch.k_bounds = cu_q.tolist(), cu_k.tolist()
     return q, k, v, batch
 
 
@@ -230,12 +235,81 @@ def test_decode_steps_are_planned_as_one_fused_call():
 def test_chunks_after_a_cached_prefix_as_dense_blocks():
     """The GPU path for long chunks after a prefix (the prefix unmasked, the chunk's causal
     diagonal, merged by LSE; here the same blocks in float32) equals the varlen reference."""
-    from ringserve.attention import _cudnn_per_sequence
+    from ringserve.attention import _dense_per_sequence
 
     q, k, v, batch = packed([9, 12, 5], [30, 12, 19], seed=5)  # after a prefix, a whole prompt, after one
-    out, lse = _cudnn_per_sequence(
+    out, lse = _dense_per_sequence(
         q, k, v, batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist(), 16**-0.5
     )
     ref_out, ref_lse = attention_with_lse(q, k, v, batch, scale=16**-0.5)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def float64_reference(q, k, v, lengths_q, lengths_k, scale):
+    """Softmax attention in float64 by its definition, per sequence, each sequence's queries
+    its last keys' positions (the bottom-right causal mask); GQA by repeating KV heads."""
+    group = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    q0 = k0 = 0
+    for lq, lk in zip(lengths_q, lengths_k):
+        qs = q[q0 : q0 + lq].double()
+        ks = k[k0 : k0 + lk].double().repeat_interleave(group, 1)
+        vs = v[k0 : k0 + lk].double().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        visible = torch.arange(lk - lq, lk)[:, None] >= torch.arange(lk)[None, :]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(scores, -1)  # [NH, Lq]
+        outs.append(torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), vs))
+        lses.append(lse.transpose(0, 1))
+        q0, k0 = q0 + lq, k0 + lk
+    return torch.cat(outs), torch.cat(lses)
+
+
+CPU_LAYOUTS = {
+    # (query lengths, key lengths) per sequence: each sequence's queries are its last keys.
+    "whole_prompts": ([37, 5, 130], [37, 5, 130]),
+    "chunks_after_a_prefix": ([9, 64, 3], [30, 100, 4]),
+    "decode_rows": ([1, 1, 1, 1], [40, 1, 7, 129]),
+    "mixed_step": ([1, 17, 1, 23, 2], [50, 17, 3, 60, 2]),
+    # past the CPU kernel's query and key tiles, and a chunk longer than its prefix
+    "long": ([600, 300], [1300, 330]),
+}
+
+
+@pytest.mark.parametrize("layout", list(CPU_LAYOUTS))
+@pytest.mark.parametrize("nh,nkv", [(6, 2), (4, 4), (8, 1)])
+def test_cpu_flash_path_matches_math_and_float64(layout, nh, nkv, monkeypatch):
+    """The engine's CPU batches (causal suffix, host bounds) go through the CPU flash kernel
+    per sequence; it equals the position-masked math path and a float64 softmax."""
+    import ringserve.attention as attention
+
+    lengths_q, lengths_k = CPU_LAYOUTS[layout]
+    scale = 32**-0.5
+    q, k, v, batch = packed(lengths_q, lengths_k, nh=nh, nkv=nkv, d=32, seed=11, host_bounds=True)
+    ref_out, ref_lse = attention._math_varlen(q, k, v, batch, scale)
+
+    def not_here(*args):
+        raise AssertionError("the CPU fast path fell back to the math path")
+
+    monkeypatch.setattr(attention, "_math_varlen", not_here)
+    out, lse = attention.attention_with_lse(q, k, v, batch, scale)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32 and lse.shape == q.shape[:2]
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    exact_out, exact_lse = float64_reference(q, k, v, lengths_q, lengths_k, scale)
+    torch.testing.assert_close(out.double(), exact_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), exact_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["whole_prompts", "chunks_after_a_prefix", "mixed_step"])
+def test_cpu_flash_path_in_bfloat16(layout):
+    """bfloat16 inputs: output in bfloat16, LSE in float32, both within bfloat16's rounding
+    of the float64 softmax over the same (rounded) inputs."""
+    lengths_q, lengths_k = CPU_LAYOUTS[layout]
+    q, k, v, batch = packed(lengths_q, lengths_k, d=32, seed=12, host_bounds=True, dtype=torch.bfloat16)
+    out, lse = attention_with_lse(q, k, v, batch, 32**-0.5)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    exact_out, exact_lse = float64_reference(q, k, v, lengths_q, lengths_k, 32**-0.5)
+    torch.testing.assert_close(out.double(), exact_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse.double(), exact_lse, rtol=1e-3, atol=1e-3)

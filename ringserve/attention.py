@@ -210,6 +210,9 @@ def _dense_per_sequence(q, k, v, q_bounds: list[int], k_bounds: list[int], scale
         q0, q1, k0, k1 = q_bounds[i], q_bounds[i + 1], k_bounds[i], k_bounds[i + 1]
         if q1 == q0:
             continue
+        if k1 == k0:  # no key (a padded decode row): nothing seen, and no kernel call
+            out[q0:q1], lse[q0:q1] = 0, float("-inf")
+            continue
         if q1 - q0 == 1:
             group = [Block(q0, q1, k0, k1, False)]
         else:

@@ -106,7 +106,9 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, batch: PagedBat
         q_bounds=list(cu_q),
         k_bounds=cu_k,
     )
-    return attention_with_lse(q, k_cache[slots], v_cache[slots], varlen, scale)
+    return attention_with_lse(
+        q, k_cache.index_select(0, slots), v_cache.index_select(0, slots), varlen, scale
+    )
 
 
 def _paged_triton(q, k_cache, v_cache, block_tables, batch: PagedBatch, block_size: int, scale: float):

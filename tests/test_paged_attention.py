@@ -154,6 +154,8 @@ def test_padded_decode_rows_write_nothing_and_leave_real_rows_unchanged(llama_en
     engine = llama_engine
     runner = engine.executor.worker.runner
     cache = runner.kv_cache
+    cache.k.zero_()  # the cache is allocated uninitialised: NaN would never compare equal
+    cache.v.zero_()
     seqs = _prefill(engine, [5, 11, 8])
     step = _decode_step(engine, seqs)
     k_before, v_before = cache.k.clone(), cache.v.clone()

@@ -85,9 +85,7 @@ def main():
         count = sum(e.count for e in events) / 5
         print(f"  kernels per replay {count:.0f}, device time {total:.2f} ms")
         for e in events[:14]:
-            print(
-                f"  {e.device_time_total / 5 / 1000:7.3f} ms  x{e.count / 5:5.0f}  {e.key[:90]}"
-            )
+            print(f"  {e.device_time_total / 5 / 1000:7.3f} ms  x{e.count / 5:5.0f}  {e.key[:90]}")
         while engine.has_unfinished():
             engine.step()
     engine.close()

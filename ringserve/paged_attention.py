@@ -35,6 +35,8 @@ except ImportError:  # CPU builds of torch come without Triton
 # tile one query's heads of a KV head, padded to the 16 rows tl.dot needs.
 _PREFILL_ROWS = 64
 _MIN_ROWS = 16
+# Keys per loop step and the launch settings, chosen on an H200 (bench/bench_paged.py).
+LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
 @dataclass
@@ -111,7 +113,11 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, batch: PagedBat
     )
 
 
-def _paged_triton(q, k_cache, v_cache, block_tables, batch: PagedBatch, block_size: int, scale: float):
+def _paged_triton(
+    q, k_cache, v_cache, block_tables, batch: PagedBatch, block_size: int, scale: float, launch=None
+):
+    """launch: overrides of the kernel's tile and launch settings (bench/bench_paged.py)."""
+    launch = {**LAUNCH, **(launch or {})}
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -155,14 +161,14 @@ def _paged_triton(q, k_cache, v_cache, block_tables, batch: PagedBatch, block_si
         GROUP=group,
         GROUP_PAD=group_pad,
         QUERIES=queries_per_tile,
-        BLOCK_N=64,
+        BLOCK_N=launch["block_n"],
         PAGE=block_size,
         HEAD_DIM=head_dim,
         D_PAD=triton.next_power_of_2(head_dim),
         IEEE=q.dtype == torch.float32,
         INTERPRET=not q.is_cuda,
-        num_warps=4,
-        num_stages=2,
+        num_warps=launch["num_warps"],
+        num_stages=launch["num_stages"],
     )
     if splits > 1:
         _merge_splits_kernel[(tokens, num_heads)](

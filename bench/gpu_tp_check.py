@@ -25,8 +25,19 @@ from helpers import hf_greedy  # noqa: E402
 
 def main():
     with tempfile.TemporaryDirectory() as tmp:
-        folder = save_tiny_model("qwen3_moe", f"{tmp}/m")
         prompt = list(range(5, 25))
+        # A dense model decodes under CUDA graphs through the multi-rank path (the vocabulary
+        # gather and the allreduce inside the graph); greedy tokens must equal transformers'.
+        dense = save_tiny_model("llama", f"{tmp}/dense")
+        with LLM(dense, device="cuda", dtype="float32", tp=1) as llm:
+            assert llm.engine.executor.worker.runner.graphs is not None, "expected decode graphs"
+            got = llm.generate([prompt], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))[0]
+            want = hf_greedy(hf_model(dense), prompt, 64)
+            print(
+                f"tp=1 under torchrun, CUDA graphs: 64 greedy tokens equal transformers': {got.token_ids == want}"
+            )
+            assert got.token_ids == want
+        folder = save_tiny_model("qwen3_moe", f"{tmp}/m")
         llm = LLM(folder, device="cuda", dtype="float32", tp=1)
         assert isinstance(llm.engine.executor, MultiprocessExecutor), "expected the torchrun path"
         got = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[

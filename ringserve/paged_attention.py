@@ -69,9 +69,10 @@ def tile_queries(num_heads: int, num_kv_heads: int, decode: bool) -> int:
 
 
 def decode_splits(batch_size: int, num_kv_heads: int, max_keys: int, num_sms: int) -> int:
-    """Split-KV programs per (sequence, KV head), a power of two: about two waves of programs
-    on the GPU, but no split shorter than 128 keys (its fixed cost would dominate)."""
-    want = min(-(-2 * num_sms // (batch_size * num_kv_heads)), -(-max_keys // 128), 64)
+    """Split-KV programs per (sequence, KV head), a power of two: about four programs per
+    multiprocessor (fewer left the H200 at 3.1 TB/s at 128K, bench/bench_paged.py), but no
+    split shorter than 128 keys (its fixed cost would dominate)."""
+    want = min(-(-4 * num_sms // (batch_size * num_kv_heads)), -(-max_keys // 128), 64)
     return 1 << (max(1, want).bit_length() - 1)
 
 

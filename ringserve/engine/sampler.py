@@ -1,43 +1,148 @@
-"""Next-token choice per sequence: greedy, or temperature / top-k / top-p sampling.
+"""Next-token choice for the whole batch on the device: greedy, temperature, top-k, top-p.
 
-Rows of one batch may carry different parameters; a seeded request draws from its own
-generator so that its output does not depend on what else is in the batch.
+Rows of one batch may carry different parameters. Everything is batched tensor ops with no
+host sync until the caller reads the chosen ids (one transfer per step), so `sample_tokens`
+can later run inside a CUDA graph or overlap the next step.
+
+Random numbers come from a counter-based RNG, not from per-sequence torch.Generator state:
+the uniform for (row, vocab index v) is a hash of (the request's seed, the number of tokens
+that request has generated so far, v). Step t of a seeded request therefore uses the same
+random numbers whatever its neighbours, its position in the batch, or a preemption that
+recomputes it. The draw is a Gumbel-max race: argmax(filtered_logits + Gumbel noise)
+samples from softmax(filtered_logits), with only elementwise ops and an argmax per row
+(no reduction whose rounding could depend on the batch).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ringserve.engine.sequence import Sequence
 
+_MASK32 = 0xFFFFFFFF
+_NO_TOP_K = 2**31 - 1  # top_k "all" when the vocabulary size is not known yet; clamped to V
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits [V] -> logits with the tokens outside top-k and the top-p nucleus at -inf."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the likelier ones before it already reach top_p.
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        drop[0] = False
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of one batch, on the device. S = rows (sequences)."""
+
+    temperature: torch.Tensor  # [S] float32; greedy rows hold 1.0 (never divided by 0)
+    greedy: torch.Tensor  # [S] bool
+    top_k: torch.Tensor  # [S] int64; "all" is V (or _NO_TOP_K, clamped to V when sampling)
+    top_p: torch.Tensor  # [S] float32; 1.0 keeps all
+    seed: torch.Tensor  # [S, 2] int64: low and high 32 bits of the request's 64-bit seed
+    counter: torch.Tensor  # [S] int64: tokens the request has generated so far (its step)
+    all_greedy: bool  # host flag: the batch needs only an argmax
+    needs_sort: bool  # host flag: some sampled row has top-k < V or top-p < 1
+
+    @classmethod
+    def from_seqs(
+        cls, seqs: list[Sequence], device: torch.device | str, vocab_size: int | None = None
+    ) -> SamplingTensors:
+        """O(S) host work and two host-to-device copies; the flags come from the params, not the device."""
+        floats, ints = [], []
+        all_greedy, needs_sort = True, False
+        for seq in seqs:
+            p = seq.params
+            greedy = p.greedy
+            top_k = p.top_k if p.top_k > 0 else (vocab_size or _NO_TOP_K)
+            if vocab_size is not None:
+                top_k = min(top_k, vocab_size)
+            top_p = p.top_p
+            if greedy:
+                top_k, top_p = vocab_size or _NO_TOP_K, 1.0
+            else:
+                all_greedy = False
+                needs_sort |= top_p < 1.0 or top_k < (vocab_size or _NO_TOP_K)
+            seed = seq.sampling_seed & 0xFFFFFFFFFFFFFFFF
+            floats.append((1.0 if greedy else p.temperature, top_p))
+            ints.append((int(greedy), top_k, seed & _MASK32, seed >> 32, len(seq.output_token_ids)))
+        f = torch.tensor(floats, dtype=torch.float32).reshape(-1, 2).to(device)
+        i = torch.tensor(ints, dtype=torch.int64).reshape(-1, 5).to(device)
+        return cls(
+            temperature=f[:, 0],
+            greedy=i[:, 0].bool(),
+            top_k=i[:, 1],
+            top_p=f[:, 1],
+            seed=i[:, 2:4],
+            counter=i[:, 4],
+            all_greedy=all_greedy,
+            needs_sort=needs_sort,
+        )
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32) held in int64, c a 32-bit constant.
+
+    c is split into 16-bit halves so that no product reaches 2^63 (int64 overflow is
+    undefined behaviour on some backends): x * c_lo < 2^48, x * c_hi < 2^48."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) of x in [0, 2^32), in int64 ops."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _gumbel(t: SamplingTensors, vocab_size: int) -> torch.Tensor:
+    """[S, V] float32 Gumbel noise that depends only on (seed, counter, vocab index) of each row."""
+    seed_lo, seed_hi = t.seed[:, 0], t.seed[:, 1]
+    key = _mix32(seed_lo ^ 0x9E3779B9)
+    key = _mix32(key ^ seed_hi)
+    key = _mix32(key ^ (t.counter & _MASK32))  # [S]
+    key2 = _mix32(key ^ 0x85EBCA6B)
+    index = torch.arange(vocab_size, device=key.device, dtype=torch.int64)
+    h = _mix32(_mix32(key[:, None] ^ index) ^ key2[:, None])  # [S, V] in [0, 2^32)
+    # The top 24 bits give u in (0, 1) strictly, exact in float32: 2^-25 <= u <= 1 - 2^-25,
+    # so -log(u) > 0 and the noise is finite.
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(u))
+
+
+def filtered_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """logits [S, V] -> [S, V] float32 logits / temperature, tokens outside top-k and top-p at -inf.
+
+    One descending sort of the batch serves both filters. Top-k keeps the tokens at least as
+    likely as the k-th (ties with it kept). Top-p, on the top-k survivors: a token is dropped
+    when the likelier tokens before it already reach top_p, so the one that crosses top_p is
+    kept, and so is the top token. Rows without filters come out exactly as without the sort,
+    so a row's draw does not depend on whether a neighbour needed one."""
+    scaled = logits.float() / t.temperature[:, None]
+    if not t.needs_sort:
+        return scaled
+    vocab_size = scaled.shape[-1]
+    sorted_vals, order = torch.sort(scaled, dim=-1, descending=True)  # [S, V]
+    k = t.top_k.clamp(min=1, max=vocab_size)
+    kth = sorted_vals.gather(1, (k - 1)[:, None])  # [S, 1]
+    drop = sorted_vals < kth
+    sorted_vals = sorted_vals.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_vals, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # mass of the likelier tokens
+    drop |= before >= t.top_p[:, None]  # never the top token: 0 before it, top_p > 0, k >= 1
+    drop = torch.zeros_like(drop).scatter_(1, order, drop)  # back to vocabulary order
+    return scaled.masked_fill(drop, float("-inf"))
+
+
+def sample_tokens(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """logits [S, V] -> chosen ids [S] int64, on the device, without a host sync.
+
+    Greedy rows take the plain argmax of the logits (bit-exact with an argmax outside)."""
+    greedy = logits.argmax(dim=-1)
+    if t.all_greedy:
+        return greedy
+    scores = filtered_logits(logits, t) + _gumbel(t, logits.shape[-1])
+    return torch.where(t.greedy, greedy, scores.argmax(dim=-1))
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits [S, V] float32, one row per sequence -> the chosen token ids."""
-    choices = logits.argmax(dim=-1)
-    sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
-    if sampled:
-        choices = choices.clone()
-        for i in sampled:
-            params = seqs[i].params
-            row = filter_logits(logits[i] / params.temperature, params.top_k, params.top_p)
-            probs = torch.softmax(row, dim=-1)
-            gen = seqs[i].generator
-            if gen is None and params.seed is not None:
-                gen = seqs[i].generator = torch.Generator(device=logits.device).manual_seed(params.seed)
-            choices[i] = torch.multinomial(probs, 1, generator=gen)[0]
-    return choices.tolist()
+    """logits [S, V] float32, one row per sequence -> the chosen token ids (one host transfer)."""
+    tensors = SamplingTensors.from_seqs(seqs, logits.device, logits.shape[-1])
+    return sample_tokens(logits, tensors).tolist()

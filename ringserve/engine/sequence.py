@@ -10,6 +10,13 @@ import torch
 from ringserve.sampling_params import SamplingParams
 
 
+def _draw_seed(params: SamplingParams) -> int:
+    """A random 63-bit seed for an unseeded sampled request; greedy ones never use it."""
+    if params.greedy:
+        return 0
+    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+
+
 class Status(enum.Enum):
     WAITING = "waiting"  # no KV in the cache (new, or preempted to be recomputed)
     RUNNING = "running"
@@ -37,7 +44,9 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop" (EOS, stop token or string) or "length"
         self.stop_reason: int | str | None = None  # the stop token or string that ended it
         self.text = ""
-        self.generator: torch.Generator | None = None  # seeded requests sample from their own
+        # The request's sampling RNG key (with its step count): its own seed, or one drawn once
+        # here from torch's global RNG, so no neighbour in a batch can change its draws.
+        self.sampling_seed: int = params.seed if params.seed is not None else _draw_seed(params)
         self.arrival_time = 0.0
         self.first_token_time: float | None = None
 

@@ -64,6 +64,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="tokens computed per step; longer prompts are prefilled in chunks",
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: decode steps launch their kernels from Python (slower; for debugging)",
+    )
     p.add_argument("-v", "--verbose", action="count", default=0, help="-v: info logs, -vv: debug logs")
 
 
@@ -148,6 +154,8 @@ def _generate(args) -> int:
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
+            max_num_seqs=args.max_num_seqs,
+            enforce_eager=args.enforce_eager,
             allreduce=args.allreduce,
             timeout_s=args.timeout,
             cp_algo=args.cp_algo,

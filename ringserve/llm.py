@@ -24,7 +24,8 @@ class LLM:
     for MoE models, the same processes as tp, cp or tp x cp; ranks_per_host: when the EP
     group spans hosts, its all-to-all goes two-shot (inside the host, then across).
     Further keyword arguments set EngineConfig fields (block_size, num_blocks,
-    max_model_len, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, ...).
+    max_model_len, max_num_batched_tokens, max_num_seqs, enable_prefix_caching,
+    enforce_eager: no CUDA graphs for decode, ...).
     """
 
     def __init__(
@@ -52,6 +53,7 @@ class LLM:
             parallel=self.parallel_config,
             allreduce=allreduce,
             timeout_s=timeout_s,
+            cp_algo=cp_algo,
         )
 
     @property

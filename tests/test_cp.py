@@ -282,3 +282,4 @@ def test_chunked_prefill_and_preemption_under_cp(algo, tiny_model_dir, reference
         assert llm.generate([LONG], GREEDY)[0].token_ids == ref_long
         assert [o.token_ids for o in llm.generate(VARSEQ, GREEDY)] == ref_batch
         assert llm.engine.num_preemptions > 0
+        assert set(llm.engine.cp_steps) == {algo}  # the forced ring ran every step, prefill too

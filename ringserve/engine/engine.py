@@ -6,6 +6,7 @@ caller drives `step()` (the LLM class, or the server's engine loop).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -133,6 +134,7 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits are not)
+        self.cp_steps: collections.Counter[str] = collections.Counter()  # steps per ring that ran
         logger.info(
             "model %s (%s) on %s in %s, tp=%d cp=%d; KV cache %d blocks of %d tokens",
             self.model_path,
@@ -221,6 +223,7 @@ class LLMEngine:
         step = StepInput.from_batch(batch)
         if self.parallel.cp > 1:
             step.cp_algo = self._choose_cp_algo(batch)
+            self.cp_steps[step.cp_algo] += 1
         logits = self.executor.execute(step)
         self.num_computed_tokens += sum(batch.num_tokens)
         sampling = []

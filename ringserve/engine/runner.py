@@ -159,9 +159,10 @@ class ModelRunner:
             token_rows += [row] * n
         sample_rows = [end - 1 for end, sample in zip(cu_q[1:], step.sample) if sample]
         decode = all(n == 1 for n in q_lens)
+        fresh = not any(step.starts)  # fresh prompts: their keys are this step's tokens
         qpt = tile_queries(self.num_heads, self.num_kv_heads, decode)
         tile_seq, tile_q0 = [], []
-        if not decode:
+        if not (decode or fresh):  # query tiles of the paged kernel
             for i, n in enumerate(q_lens):
                 tile_seq += [i] * -(-n // qpt)
                 tile_q0 += range(0, n, qpt)
@@ -186,7 +187,7 @@ class ModelRunner:
         small = small.to(torch.int32)
         seq_rows_d, cu_q_d, seq_lens_d, tiles = small.split([b, b + 1, b, small.numel() - 3 * b - 1])
         slots = self._slots(token_rows_d, pos)
-        if not any(step.starts):  # fresh prompts: their keys are this step's tokens
+        if fresh:
             varlen = VarlenBatch(
                 cu_seqlens_q=cu_q_d,
                 cu_seqlens_k=cu_q_d,

@@ -78,6 +78,13 @@ K._store_kv_triton(k, v, k_cache, v_cache, slots)
 want_k, want_v = torch.zeros(40, 2, 16), torch.zeros(40, 2, 16)
 want_k[slots], want_v[slots] = k, v
 assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+# the sampler's Gumbel noise: the fused 32-bit hash equals the int64 tensor-op hash
+from ringserve.engine import sampler as S
+key = torch.tensor([0, 1, 2**32 - 1, 123456789, 987654321], dtype=torch.int64)
+key2 = S._mix32(key ^ 0x85EBCA6B)
+h = S._mix32(S._mix32(key[:, None] ^ torch.arange(3000)) ^ key2[:, None])
+u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+torch.testing.assert_close(S._gumbel_triton(key, key2, 3000), -torch.log(-torch.log(u)), rtol=1e-6, atol=1e-6)
 print("ok")
 """
 

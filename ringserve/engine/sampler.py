@@ -21,6 +21,12 @@ import torch
 
 from ringserve.engine.sequence import Sequence
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU builds of torch come without Triton
+    triton = None
+
 _MASK32 = 0xFFFFFFFF
 _NO_TOP_K = 2**31 - 1  # top_k "all" when the vocabulary size is not known yet; clamped to V
 
@@ -99,12 +105,48 @@ def _gumbel(t: SamplingTensors, vocab_size: int) -> torch.Tensor:
     key = _mix32(key ^ seed_hi)
     key = _mix32(key ^ (t.counter & _MASK32))  # [S]
     key2 = _mix32(key ^ 0x85EBCA6B)
+    if triton is not None and key.is_cuda:
+        return _gumbel_triton(key, key2, vocab_size)
     index = torch.arange(vocab_size, device=key.device, dtype=torch.int64)
     h = _mix32(_mix32(key[:, None] ^ index) ^ key2[:, None])  # [S, V] in [0, 2^32)
     # The top 24 bits give u in (0, 1) strictly, exact in float32: 2^-25 <= u <= 1 - 2^-25,
     # so -log(u) > 0 and the noise is finite.
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
     return -torch.log(-torch.log(u))
+
+
+def _gumbel_triton(key, key2, vocab_size: int) -> torch.Tensor:
+    """The same noise in one pass: the [S, V] hash in 32-bit registers instead of ~30 int64
+    tensor ops (3.1 ms for 64 x 128256 on an H200 before)."""
+    out = torch.empty(key.shape[0], vocab_size, dtype=torch.float32, device=key.device)
+    block = 1024
+    _gumbel_kernel[(key.shape[0], triton.cdiv(vocab_size, block))](
+        key, key2, out, out.stride(0), vocab_size, BLOCK=block, num_warps=4
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mix32_tl(x):
+        # lowbias32 on uint32: multiplication wraps mod 2^32, as _mul32 computes it.
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _gumbel_kernel(key_ptr, key2_ptr, out_ptr, stride_out, vocab_size, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        index = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        key = tl.load(key_ptr + row).to(tl.uint32)
+        key2 = tl.load(key2_ptr + row).to(tl.uint32)
+        h = _mix32_tl(_mix32_tl(key ^ index.to(tl.uint32)) ^ key2)
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        noise = -tl.log(-tl.log(u))
+        tl.store(out_ptr + row.to(tl.int64) * stride_out + index, noise, mask=index < vocab_size)
 
 
 def filtered_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -39,8 +39,10 @@ class SamplingTensors:
     greedy: torch.Tensor  # [S] bool
     top_k: torch.Tensor  # [S] int64; "all" is V (or _NO_TOP_K, clamped to V when sampling)
     top_p: torch.Tensor  # [S] float32; 1.0 keeps all
-    seed: torch.Tensor  # [S, 2] int64: low and high 32 bits of the request's 64-bit seed
-    counter: torch.Tensor  # [S] int64: tokens the request has generated so far (its step)
+    # [S] int64 in [0, 2^32): the row's RNG keys, hashes of its request's 64-bit seed and
+    # counter (the tokens it has generated so far), made on the host with the row's params.
+    key: torch.Tensor
+    key2: torch.Tensor
     all_greedy: bool  # host flag: the batch needs only an argmax
     needs_sort: bool  # host flag: some sampled row has top-k < V or top-p < 1
 
@@ -63,18 +65,18 @@ class SamplingTensors:
             else:
                 all_greedy = False
                 needs_sort |= top_p < 1.0 or top_k < (vocab_size or _NO_TOP_K)
-            seed = seq.sampling_seed & 0xFFFFFFFFFFFFFFFF
+            key, key2 = _row_keys(seq.sampling_seed & 0xFFFFFFFFFFFFFFFF, len(seq.output_token_ids))
             floats.append((1.0 if greedy else p.temperature, top_p))
-            ints.append((int(greedy), top_k, seed & _MASK32, seed >> 32, len(seq.output_token_ids)))
+            ints.append((int(greedy), top_k, key, key2))
         f = torch.tensor(floats, dtype=torch.float32).reshape(-1, 2).to(device)
-        i = torch.tensor(ints, dtype=torch.int64).reshape(-1, 5).to(device)
+        i = torch.tensor(ints, dtype=torch.int64).reshape(-1, 4).to(device)
         return cls(
             temperature=f[:, 0],
             greedy=i[:, 0].bool(),
             top_k=i[:, 1],
             top_p=f[:, 1],
-            seed=i[:, 2:4],
-            counter=i[:, 4],
+            key=i[:, 2],
+            key2=i[:, 3],
             all_greedy=all_greedy,
             needs_sort=needs_sort,
         )
@@ -98,13 +100,26 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _mix32_int(x: int) -> int:
+    """_mix32 on one Python int (a row's key is made on the host: no per-row device ops)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _row_keys(seed: int, counter: int) -> tuple[int, int]:
+    """A row's two 32-bit keys from its 64-bit seed and its counter."""
+    key = _mix32_int((seed & _MASK32) ^ 0x9E3779B9)
+    key = _mix32_int(key ^ (seed >> 32))
+    key = _mix32_int(key ^ (counter & _MASK32))
+    return key, _mix32_int(key ^ 0x85EBCA6B)
+
+
 def _gumbel(t: SamplingTensors, vocab_size: int) -> torch.Tensor:
     """[S, V] float32 Gumbel noise that depends only on (seed, counter, vocab index) of each row."""
-    seed_lo, seed_hi = t.seed[:, 0], t.seed[:, 1]
-    key = _mix32(seed_lo ^ 0x9E3779B9)
-    key = _mix32(key ^ seed_hi)
-    key = _mix32(key ^ (t.counter & _MASK32))  # [S]
-    key2 = _mix32(key ^ 0x85EBCA6B)
+    key, key2 = t.key, t.key2
     if triton is not None and key.is_cuda:
         return _gumbel_triton(key, key2, vocab_size)
     index = torch.arange(vocab_size, device=key.device, dtype=torch.int64)

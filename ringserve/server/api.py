@@ -475,10 +475,13 @@ def build_app(
             message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
             param = None
         else:
-            message = "; ".join(
-                f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: {err.get('msg')}"
-                for err in errors[:5]
-            )
+            by_field: dict[str, str] = {}  # a union's alternatives all fail: name the field once
+            for err in errors:
+                where = [str(x) for x in err.get("loc", ()) if x != "body"]
+                field = where[0] if where else "body"
+                by_field.setdefault(field, f"{'.'.join(where) or 'body'}: {err.get('msg')}")
+            message = "; ".join(by_field.values())
+            param = next(iter(by_field))
         return _error_response(400, message, param)
 
     @app.exception_handler(RingserveError)

@@ -176,6 +176,7 @@ def test_chat(live):
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[1].choices[0].delta.role is None and chunks[1].choices[0].delta.content
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
     assert chunks[-2].choices[0].finish_reason == "stop"
     assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
@@ -480,6 +481,31 @@ def test_worker_error_is_fatal():
 
     asyncio.run(main())
     assert len(fatal) == 1 and "rank 1 died" in str(fatal[0])
+
+
+def test_worker_error_ends_the_server_with_exit_code_1():
+    from ringserve.engine.executor import WorkerError
+    from ringserve.server import run_server
+
+    port = _free_port()
+    answers = []
+
+    def client():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": [1, 2]}, timeout=10)
+                answers.append(r)
+                return
+            except httpx.TransportError:
+                time.sleep(0.1)
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    engine = FakeEngine(WorkerError("rank 1 died"))
+    assert run_server(engine, "fake", port=port, log_level="warning") == 1
+    thread.join(10)
+    assert answers[0].status_code == 500 and "rank 1 died" in answers[0].json()["error"]["message"]
 
 
 # The engine's additions, on a tiny random model ---------------------------------------------

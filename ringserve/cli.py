@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_args(gen)
 
+    _add_serve_parser(sub)
+
     bench = sub.add_parser("bench", help="measure this machine (results feed the engine's choices)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     ar = bench_sub.add_parser(
@@ -124,6 +126,61 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--device", default="auto", help="cpu, cuda or auto")
     cal.add_argument("--no-save", action="store_true", help="print only")
     return parser
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API",
+        description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, "
+        "/health, /version, /metrics. SIGTERM or Ctrl-C ends in-flight requests and exits 0.",
+    )
+    serve.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (default: MODEL as given)"
+    )
+    serve.add_argument(
+        "--max-waiting", type=int, default=1024, help="requests waiting for their first token; beyond: 503"
+    )
+    _add_model_args(serve)
+
+
+def _serve(args) -> int:
+    from ringserve import LLM
+    from ringserve.errors import RingserveError
+    from ringserve.server import run_server
+
+    model = args.model_pos or args.model
+    try:
+        llm = LLM(
+            model=model,
+            device=args.device,
+            dtype=args.dtype,
+            tp=args.tp,
+            cp=args.cp,
+            ep=args.ep,
+            show_progress=sys.stderr.isatty(),
+            max_model_len=args.max_model_len,
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
+            max_num_seqs=args.max_num_seqs,
+            enforce_eager=args.enforce_eager,
+            allreduce=args.allreduce,
+            timeout_s=args.timeout,
+            cp_algo=args.cp_algo,
+            ranks_per_host=args.ranks_per_host,
+        )
+    except (RingserveError, ValueError, NotImplementedError, MemoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or model or "SmolLM2-135M-Instruct"
+    log_level = {0: "info", 1: "info"}.get(args.verbose, "debug")
+    return run_server(llm.engine, name, args.host, args.port, args.api_key, args.max_waiting, log_level)
 
 
 def _generate(args) -> int:
@@ -211,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve":
+        return _serve(args)
     if args.command == "bench":
         import torch
 

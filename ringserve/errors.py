@@ -11,3 +11,11 @@ class ModelLoadError(RingserveError):
 
 class RequestError(RingserveError, ValueError):
     """A request that cannot be served as given (too long, bad parameters)."""
+
+
+class RequestTooLargeError(RequestError, MemoryError):
+    """A request that needs more KV-cache blocks than the whole cache has: it fails alone."""
+
+    def __init__(self, message: str, request_id: str):
+        super().__init__(message)
+        self.request_id = request_id

@@ -6,6 +6,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """A generated token's log-probability and the likeliest alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), likeliest first
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -19,3 +28,4 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     time_to_first_token: float | None = None  # seconds from arrival to the first token
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token, when params.logprobs is set

@@ -18,6 +18,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Per generated token: its log-probability and the N likeliest (token, log-probability)
+    # pairs, from the model's raw distribution (before temperature, top-k, top-p), as vLLM.
+    # None: none computed (no cost).
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -35,6 +39,8 @@ class SamplingParams:
             raise RequestError(f"top_k must be an integer >= 0 (or -1 for all), got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise RequestError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise RequestError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

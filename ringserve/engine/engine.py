@@ -29,9 +29,9 @@ from ringserve.engine.runner import StepInput
 from ringserve.engine.sampler import sample
 from ringserve.engine.scheduler import Scheduler
 from ringserve.engine.sequence import Sequence
-from ringserve.errors import ModelLoadError, RequestError
+from ringserve.errors import ModelLoadError, RequestError, RequestTooLargeError
 from ringserve.gguf_import import builtin_model_path, converted_folder
-from ringserve.outputs import RequestOutput
+from ringserve.outputs import RequestOutput, TokenLogprob
 from ringserve.parallel.cp import CP_ALGOS, CPCalibration, choose_cp_algo
 from ringserve.parallel.tp import validate_tp
 from ringserve.sampling_params import SamplingParams
@@ -193,6 +193,12 @@ class LLMEngine:
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise RequestError("the prompt is empty")
+        blocks = -(-len(token_ids) // self.block_manager.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise RequestError(
+                f"the prompt has {len(token_ids)} tokens, more than the whole KV cache holds "
+                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})"
+            )
         if len(token_ids) >= self.max_model_len:
             raise RequestError(
                 f"the prompt has {len(token_ids)} tokens, but the model's context is "
@@ -217,7 +223,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One forward pass over the scheduled tokens; an output per sequence that sampled."""
-        batch = self.scheduler.schedule()
+        try:
+            batch = self.scheduler.schedule()
+        except RequestTooLargeError as e:  # that request alone fails; the others go on
+            self.seqs.pop(e.request_id, None)
+            self.detokenizers.pop(e.request_id, None)
+            raise
         if not batch:
             return []
         step = StepInput.from_batch(batch)
@@ -234,7 +245,9 @@ class LLMEngine:
                 sampling.append(seq)
         now = time.monotonic()
         outputs = []
-        for seq, token in zip(sampling, sample(logits, sampling)):
+        tokens = sample(logits, sampling)
+        logprobs = _logprobs(logits, sampling, tokens)
+        for i, (seq, token) in enumerate(zip(sampling, tokens)):
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -244,7 +257,10 @@ class LLMEngine:
             self._check_finished(seq, token)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
-            outputs.append(self._output(seq, [token]))
+            out = self._output(seq, [token])
+            if logprobs is not None and logprobs[i] is not None:
+                out.new_logprobs = [logprobs[i]]
+            outputs.append(out)
             if seq.finished:
                 self.seqs.pop(seq.request_id, None)
                 self.detokenizers.pop(seq.request_id, None)
@@ -312,6 +328,25 @@ class LLMEngine:
             self.executor = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _logprobs(
+    logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]
+) -> list[TokenLogprob | None] | None:
+    """Per row, the chosen token's log-probability and the top-N, for the rows that asked."""
+    rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    if not rows:
+        return None
+    k = min(max(seqs[i].params.logprobs for i in rows), logits.shape[-1])
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=lp.device)[:, None])[:, 0].tolist()
+    top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    result: list[TokenLogprob | None] = [None] * len(seqs)
+    for j, i in enumerate(rows):
+        n = seqs[i].params.logprobs
+        result[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
+    return result
 
 
 def _load_tokenizer(folder: str):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.sequence import Sequence, Status
+from ringserve.errors import RequestTooLargeError
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +103,15 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.allocate(seq, n):
                 if not self.running and not batch:
-                    # Alone and still too big: even the whole cache cannot hold it.
+                    # Alone and still too big: even the whole cache cannot hold it. It leaves
+                    # the queue (finished), so the next step serves the others.
+                    self.waiting.popleft()
                     self.block_manager.free(seq)
-                    raise MemoryError(
+                    seq.status = Status.FINISHED
+                    raise RequestTooLargeError(
                         f"request {seq.request_id} needs more KV-cache blocks than exist "
-                        f"({self.block_manager.num_blocks}); raise --num-blocks or lower --max-model-len"
+                        f"({self.block_manager.num_blocks}); raise --num-blocks or lower --max-model-len",
+                        seq.request_id,
                     )
                 self.block_manager.free(seq)
                 break

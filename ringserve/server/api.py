@@ -1,0 +1,568 @@
+"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus
+/health, /version and /metrics; errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import ringserve
+from ringserve.errors import RequestError, RingserveError
+from ringserve.outputs import RequestOutput, TokenLogprob
+from ringserve.sampling_params import SamplingParams
+from ringserve.server import protocol as P
+from ringserve.server.async_engine import AsyncEngine, EngineStoppedError, OverloadedError
+from ringserve.server.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def _error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(P.error_body(message, status, param), status_code=status)
+
+
+def _status_of(e: BaseException) -> int:
+    if isinstance(e, RequestError):
+        return 400
+    if isinstance(e, (OverloadedError, EngineStoppedError)):
+        return 503
+    return 500
+
+
+class _ApiKey:
+    """Pure ASGI middleware: /v1/* needs `Authorization: Bearer KEY` when a key is set."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if self.api_key and scope["type"] == "http" and scope["path"].startswith("/v1"):
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+                response = _error_response(401, "invalid or missing API key (Authorization: Bearer KEY)")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class Server:
+    """The app's state: the engine loop, the names, the metrics, the token strings."""
+
+    def __init__(self, engine, served_model_name: str, max_waiting: int, on_fatal=None):
+        self.engine = engine
+        self.model_name = served_model_name
+        self.metrics = Metrics(served_model_name)
+        self.async_engine = AsyncEngine(engine, max_waiting, self.metrics, on_fatal)
+        self._token_text: dict[int, str] = {}
+
+    # Helpers ---------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            tok = self.engine.tokenizer
+            text = tok.decode([token_id]) if tok is not None else f"token_id:{token_id}"
+            self._token_text[token_id] = text
+        return text
+
+    async def off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    def params(
+        self, body: P.SamplingFields, max_tokens: int, logprobs: int | None, index: int
+    ) -> SamplingParams:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name):
+                raise ApiError(400, f"{name} is not supported by ringserve (leave it unset or 0)", name)
+        seed = body.seed
+        if seed is not None and index:
+            seed += index  # n > 1: each choice its own stream of random numbers, as vLLM
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=body.top_k or 0,
+                seed=seed,
+                stop=body.stop,
+                stop_token_ids=list(body.stop_token_ids or []),
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+            )
+        except RequestError as e:
+            raise ApiError(400, str(e)) from None
+
+    def max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        limit = self.engine.max_model_len
+        if requested is None:
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the "
+                "completion). Please reduce the prompt or the completion length.",
+                "max_tokens",
+            )
+        return requested
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        try:
+            self.engine._check_prompt(token_ids)
+        except RequestError as e:
+            raise ApiError(400, str(e), "prompt") from None
+
+    # Completions -----------------------------------------------------------------------
+
+    async def completions(self, body: P.CompletionRequest, request: Request):
+        self.check_model(body.model)
+        if body.suffix:
+            raise ApiError(400, "suffix is not supported", "suffix")
+        if body.echo and body.logprobs is not None:
+            raise ApiError(
+                400,
+                "echo with logprobs needs the prompt's logprobs, which ringserve does not compute; "
+                "use echo or logprobs alone",
+                "echo",
+            )
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        try:
+            token_ids = await self.off_loop(lambda: [self.engine.tokenize(p) for p in prompts])
+        except RequestError as e:
+            raise ApiError(400, str(e), "prompt") from None
+        for ids in token_ids:
+            self.check_prompt(ids)
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        if body.echo:
+            texts = await self.off_loop(
+                lambda: [
+                    t if t is not None else self.engine.tokenizer.decode(ids)
+                    for t, ids in zip(texts, token_ids)
+                ]
+            )
+        n = body.n
+        request_id = P.random_id("cmpl")
+        created = int(time.time())
+        num_prompt_tokens = sum(len(ids) for ids in token_ids)
+        if body.max_tokens == 0:
+            if not body.echo:
+                raise ApiError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
+            return self.echo_only(body, request_id, created, texts, n, num_prompt_tokens)
+        items = []
+        for i, ids in enumerate(token_ids):
+            max_tokens = self.max_tokens(body.max_tokens, len(ids))
+            for j in range(n):
+                items.append(
+                    (f"{request_id}-{i * n + j}", ids, self.params(body, max_tokens, body.logprobs, j))
+                )
+        stream = self.submit(items)
+        echo = [texts[k // n] if body.echo else "" for k in range(len(items))]
+
+        def logprobs_of(out: RequestOutput, offset: int) -> P.CompletionLogprobs | None:
+            if body.logprobs is None:
+                return None
+            lp = P.CompletionLogprobs()
+            for t in out.new_logprobs or []:
+                text = self.token_text(t.token_id)
+                lp.tokens.append(text)
+                lp.token_logprobs.append(t.logprob)
+                lp.top_logprobs.append({self.token_text(i): v for i, v in t.top})
+                lp.text_offset.append(offset)
+                offset += len(text)
+            return lp
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def chunks() -> AsyncIterator[str]:
+                offsets = [len(e) for e in echo]
+                sent_echo = [False] * len(items)
+                completion_tokens = 0
+                async for index, out in self.async_engine.results(stream):
+                    completion_tokens += len(out.new_token_ids)
+                    text = out.new_text
+                    if not sent_echo[index]:
+                        text, sent_echo[index] = echo[index] + text, True
+                    lp = logprobs_of(out, offsets[index])
+                    offsets[index] += sum(len(t) for t in lp.tokens) if lp else 0
+                    choice = P.CompletionChoice(
+                        index=index,
+                        text=text,
+                        logprobs=lp,
+                        finish_reason=out.finish_reason if out.finished else None,
+                        stop_reason=out.stop_reason,
+                    )
+                    yield P.CompletionResponse(
+                        id=request_id, created=created, model=self.model_name, choices=[choice]
+                    ).model_dump_json()
+                if include_usage:
+                    usage = _usage(num_prompt_tokens, completion_tokens)
+                    yield P.CompletionResponse(
+                        id=request_id, created=created, model=self.model_name, choices=[], usage=usage
+                    ).model_dump_json()
+
+            return self.sse(stream, chunks())
+
+        finals = await self.collect(stream, request)
+        if finals is None:
+            return Response(status_code=499)
+        choices = []
+        completion_tokens = 0
+        for index, (out, lps) in sorted(finals.items()):
+            completion_tokens += len(out.token_ids)
+            lp = None
+            if body.logprobs is not None:
+                lp = logprobs_of(RequestOutput(**{**out.__dict__, "new_logprobs": lps}), len(echo[index]))
+            choices.append(
+                P.CompletionChoice(
+                    index=index,
+                    text=echo[index] + out.text,
+                    logprobs=lp,
+                    finish_reason=out.finish_reason,
+                    stop_reason=out.stop_reason,
+                )
+            )
+        return P.CompletionResponse(
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=_usage(num_prompt_tokens, completion_tokens),
+        )
+
+    def echo_only(self, body, request_id, created, texts, n, num_prompt_tokens):
+        choices = [
+            P.CompletionChoice(index=k, text=texts[k // n], finish_reason="length")
+            for k in range(len(texts) * n)
+        ]
+        usage = _usage(num_prompt_tokens, 0)
+        if not body.stream:
+            return P.CompletionResponse(
+                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            )
+
+        async def chunks():
+            for c in choices:
+                yield P.CompletionResponse(
+                    id=request_id, created=created, model=self.model_name, choices=[c]
+                ).model_dump_json()
+            if body.stream_options and body.stream_options.include_usage:
+                yield P.CompletionResponse(
+                    id=request_id, created=created, model=self.model_name, choices=[], usage=usage
+                ).model_dump_json()
+
+        return self.sse(None, chunks())
+
+    # Chat ------------------------------------------------------------------------------
+
+    async def chat(self, body: P.ChatCompletionRequest, request: Request):
+        self.check_model(body.model)
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+
+        def tokenize():
+            text = self.engine.apply_chat_template(messages)
+            return self.engine.tokenizer.encode(text, add_special_tokens=False)
+
+        try:
+            token_ids = await self.off_loop(tokenize)
+        except RequestError as e:
+            raise ApiError(400, str(e), "messages") from None
+        except Exception as e:  # a template that cannot render these messages
+            raise ApiError(400, f"the chat template failed on these messages: {e}", "messages") from None
+        self.check_prompt(token_ids)
+        requested = body.max_completion_tokens or body.max_tokens
+        max_tokens = self.max_tokens(requested, len(token_ids))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        request_id = P.random_id("chatcmpl")
+        created = int(time.time())
+        n = body.n
+        stream = self.submit(
+            [(f"{request_id}-{j}", token_ids, self.params(body, max_tokens, logprobs, j)) for j in range(n)]
+        )
+
+        def logprobs_of(lps: list[TokenLogprob] | None) -> P.ChatLogprobs | None:
+            if logprobs is None:
+                return None
+            content = []
+            for t in lps or []:
+                text = self.token_text(t.token_id)
+                top = [
+                    P.TopLogprob(token=s, logprob=v, bytes=list(s.encode()))
+                    for s, v in ((self.token_text(i), v) for i, v in t.top)
+                ]
+                content.append(
+                    P.ChatTokenLogprob(
+                        token=text, logprob=t.logprob, bytes=list(text.encode()), top_logprobs=top
+                    )
+                )
+            return P.ChatLogprobs(content=content)
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            def chunk(choices, usage=None) -> str:
+                return P.ChatCompletionChunk(
+                    id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+                ).model_dump_json(exclude_none=False)
+
+            async def chunks() -> AsyncIterator[str]:
+                for j in range(n):
+                    yield chunk([P.ChatChunkChoice(index=j, delta=P.Delta(role="assistant", content=""))])
+                completion_tokens = 0
+                async for index, out in self.async_engine.results(stream):
+                    completion_tokens += len(out.new_token_ids)
+                    choice = P.ChatChunkChoice(
+                        index=index,
+                        delta=P.Delta(content=out.new_text),
+                        logprobs=logprobs_of(out.new_logprobs),
+                        finish_reason=out.finish_reason if out.finished else None,
+                        stop_reason=out.stop_reason,
+                    )
+                    yield chunk([choice])
+                if include_usage:
+                    yield chunk([], _usage(len(token_ids), completion_tokens))
+
+            return self.sse(stream, chunks())
+
+        finals = await self.collect(stream, request)
+        if finals is None:
+            return Response(status_code=499)
+        choices = []
+        completion_tokens = 0
+        for index, (out, lps) in sorted(finals.items()):
+            completion_tokens += len(out.token_ids)
+            choices.append(
+                P.ChatChoice(
+                    index=index,
+                    message=P.AssistantMessage(content=out.text),
+                    logprobs=logprobs_of(lps),
+                    finish_reason=out.finish_reason,
+                    stop_reason=out.stop_reason,
+                )
+            )
+        return P.ChatCompletionResponse(
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=_usage(len(token_ids), completion_tokens),
+        )
+
+    # Plumbing --------------------------------------------------------------------------
+
+    def submit(self, items):
+        try:
+            return self.async_engine.submit(items)
+        except RingserveError as e:
+            raise ApiError(_status_of(e), str(e)) from None
+
+    async def collect(self, stream, request: Request):
+        """Every request's final output and its logprobs, by index; None if the client left."""
+
+        async def gather():
+            finals: dict[int, tuple[RequestOutput, list[TokenLogprob]]] = {}
+            lps: dict[int, list[TokenLogprob]] = {}
+            async for index, out in self.async_engine.results(stream):
+                lps.setdefault(index, []).extend(out.new_logprobs or [])
+                if out.finished:
+                    finals[index] = (out, lps[index])
+            return finals
+
+        async def disconnected():
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        task = asyncio.ensure_future(gather())
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                try:
+                    return task.result()
+                except RingserveError as e:
+                    raise ApiError(_status_of(e), str(e)) from None
+            return None  # the client went away: the finally aborts its requests
+        finally:
+            watcher.cancel()
+            task.cancel()
+            self.async_engine.abort(stream)
+
+    def sse(self, stream, chunks: AsyncIterator[str]) -> StreamingResponse:
+        async def events():
+            try:
+                async for data in chunks:
+                    yield f"data: {data}\n\n"
+            except RingserveError as e:  # headers are out: the error goes in the stream, as vLLM
+                yield f"data: {json.dumps(P.error_body(str(e), _status_of(e)))}\n\n"
+            finally:
+                if stream is not None:
+                    self.async_engine.abort(stream)  # no-op unless the client left early
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> P.Usage:
+    return P.Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def build_app(
+    engine,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_waiting: int = 1024,
+    on_fatal: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """The app over an LLMEngine; the engine loop starts and stops with the app's lifespan."""
+    server = Server(engine, served_model_name, max_waiting, on_fatal)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.async_engine.start()
+        try:
+            yield
+        finally:
+            await server.async_engine.stop()
+
+    app = FastAPI(title="ringserve", version=ringserve.__version__, lifespan=lifespan)
+    app.state.server = server
+    app.add_middleware(_ApiKey, api_key=api_key)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return _error_response(e.status, e.message, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+            param = None
+        else:
+            by_field: dict[str, str] = {}  # a union's alternatives all fail: name the field once
+            for err in errors:
+                where = [str(x) for x in err.get("loc", ()) if x != "body"]
+                field = where[0] if where else "body"
+                by_field.setdefault(field, f"{'.'.join(where) or 'body'}: {err.get('msg')}")
+            message = "; ".join(by_field.values())
+            param = next(iter(by_field))
+        return _error_response(400, message, param)
+
+    @app.exception_handler(RingserveError)
+    async def _ringserve_error(request, e: RingserveError):
+        return _error_response(_status_of(e), str(e))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):
+        logger.exception("internal error")
+        return _error_response(500, f"internal error: {type(e).__name__}: {e}")
+
+    @app.post("/v1/completions")
+    async def completions(body: P.CompletionRequest, request: Request):
+        return await server.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: P.ChatCompletionRequest, request: Request):
+        return await server.chat(body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        card = P.ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
+        return P.ModelList(data=[card])
+
+    @app.get("/health")
+    async def health():
+        ae = server.async_engine
+        if ae.healthy:
+            return Response(status_code=200)
+        reason = f"{type(ae.error).__name__}: {ae.error}" if ae.error else "the engine loop is not running"
+        return _error_response(503, f"unhealthy: {reason}")
+
+    @app.get("/version")
+    async def version():
+        return {"version": ringserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def run_server(
+    engine,
+    served_model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_waiting: int = 1024,
+    log_level: str = "info",
+    graceful_timeout_s: float = 10.0,
+) -> int:
+    """Serve until SIGTERM / Ctrl-C (exit 0: in-flight requests end, the engine closes), or
+    until a parallel worker dies (exit 1)."""
+    import uvicorn
+
+    holder = {}
+
+    def on_fatal(error: BaseException) -> None:
+        logger.error("a parallel worker failed; the server stops: %s", error)
+        holder["server"].should_exit = True
+
+    app = build_app(engine, served_model_name, api_key, max_waiting, on_fatal)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s
+    )
+    server = holder["server"] = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has shut down; handlers that do
+    # nothing make that a clean exit 0 after the graceful shutdown.
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if app.state.server.async_engine.fatal:
+        return 1
+    if not server.started:
+        return 2  # e.g. the port was taken
+    return 0

@@ -1,0 +1,302 @@
+"""The engine loop: one thread owns the LLMEngine and drives step(); asyncio handlers talk to it.
+
+Commands (add, abort, stop) enter through a thread-safe queue; the loop blocks on it when
+no request is unfinished. Each step's outputs go back to the event loop in one
+call_soon_threadsafe, which routes them to the per-request asyncio queues. Everything
+about request routing lives on the event-loop thread; everything about the engine lives
+on the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from ringserve.errors import RequestError, RequestTooLargeError, RingserveError
+from ringserve.outputs import RequestOutput
+from ringserve.sampling_params import SamplingParams
+from ringserve.server.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RingserveError):
+    """The engine loop stopped on an error: the request cannot be served (HTTP 500)."""
+
+
+class EngineStoppedError(RingserveError):
+    """The server is shutting down (HTTP 503)."""
+
+
+class OverloadedError(RingserveError):
+    """Too many requests are waiting (HTTP 503)."""
+
+
+@dataclass
+class RequestStream:
+    """The outputs of one HTTP request's engine requests (prompts x n), by index."""
+
+    request_ids: list[str]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    unfinished: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Route:  # event-loop side
+    stream: RequestStream
+    index: int
+    waiting: bool = True  # no output yet
+
+
+@dataclass
+class _Timing:  # engine-thread side, for the metrics
+    arrival: float
+    num_prompt_tokens: int
+    scheduled: bool = False
+    last_token: float | None = None
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine,
+        max_waiting: int = 1024,
+        metrics: Metrics | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self.on_fatal = on_fatal  # called on the event loop when a WorkerError ends the engine
+        self.commands: queue.Queue = queue.Queue()
+        self.routes: dict[str, _Route] = {}
+        self.num_waiting = 0  # submitted, no output yet (event-loop side)
+        self.error: BaseException | None = None
+        self.fatal = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+        self._stopping = False
+        self._seen_preemptions = 0  # engine counters already added to the metrics
+        self._seen_cp: dict[str, int] = {}
+
+    # Event-loop side ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.thread = threading.Thread(target=self._run, name="ringserve-engine", daemon=True)
+        self.thread.start()
+
+    async def stop(self) -> None:
+        """Abort what is left, close the engine, end the thread."""
+        self._stopping = True
+        if self.thread is not None and self.thread.is_alive():
+            self.commands.put(("stop",))
+            await asyncio.get_running_loop().run_in_executor(None, self.thread.join)
+        elif self.engine is not None:
+            self.engine.close()
+        for route in list(self.routes.values()):
+            route.stream.queue.put_nowait(EngineStoppedError("the server is shutting down"))
+        self.routes.clear()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self.thread is not None and self.thread.is_alive()
+
+    def check_available(self, num_requests: int) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped on an error: {_describe(self.error)}")
+        if self._stopping:
+            raise EngineStoppedError("the server is shutting down")
+        if self.num_waiting + num_requests > self.max_waiting:
+            raise OverloadedError(
+                f"the server is overloaded: {self.num_waiting} requests are waiting "
+                f"(--max-waiting {self.max_waiting}); retry later"
+            )
+
+    def submit(self, items: list[tuple[str, list[int], SamplingParams]]) -> RequestStream:
+        """Queue engine requests (request id, prompt token ids, params); outputs come by index."""
+        self.check_available(len(items))
+        stream = RequestStream([rid for rid, _, _ in items], unfinished=set(range(len(items))))
+        now = time.monotonic()
+        for index, (rid, token_ids, params) in enumerate(items):
+            self.routes[rid] = _Route(stream, index)
+            self.commands.put(("add", rid, token_ids, params, now))
+        self.num_waiting += len(items)
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Abort the stream's unfinished requests (the client went away): frees their blocks."""
+        for index in list(stream.unfinished):
+            rid = stream.request_ids[index]
+            if self._drop(rid):
+                self.commands.put(("abort", rid))
+        stream.unfinished.clear()
+
+    async def results(self, stream: RequestStream) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(index, output) as they come, until every request of the stream finished."""
+        while stream.unfinished:
+            item = await stream.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            index, out = item
+            if out.finished:
+                stream.unfinished.discard(index)
+            yield index, out
+
+    def _drop(self, rid: str) -> bool:
+        route = self.routes.pop(rid, None)
+        if route is None:
+            return False
+        if route.waiting:
+            self.num_waiting -= 1
+        return True
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            route = self.routes.get(out.request_id)
+            if route is None:
+                continue  # aborted meanwhile
+            if route.waiting:
+                route.waiting = False
+                self.num_waiting -= 1
+            if out.finished:
+                self.routes.pop(out.request_id, None)
+            route.stream.queue.put_nowait((route.index, out))
+
+    def _fail(self, rid: str, error: BaseException) -> None:
+        route = self.routes.get(rid)
+        if route is not None:
+            self._drop(rid)
+            route.stream.queue.put_nowait(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid in list(self.routes):
+            self._fail(rid, error)
+
+    def _died(self, error: BaseException) -> None:
+        self.error = error
+        self._fail_all(EngineDeadError(f"the engine stopped on an error: {_describe(error)}"))
+        from ringserve.engine.executor import WorkerError
+
+        if isinstance(error, WorkerError):
+            self.fatal = True
+            if self.on_fatal is not None:
+                self.on_fatal(error)
+
+    # Engine-thread side ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        timings: dict[str, _Timing] = {}
+        try:
+            while True:
+                commands = []
+                if not engine.has_unfinished():
+                    self._update_gauges(timings)
+                    commands.append(self.commands.get())  # idle: sleep until a command
+                while True:
+                    try:
+                        commands.append(self.commands.get_nowait())
+                    except queue.Empty:
+                        break
+                for cmd in commands:
+                    if cmd[0] == "stop":
+                        return
+                    if cmd[0] == "add":
+                        _, rid, token_ids, params, arrival = cmd
+                        try:
+                            engine.add_request(token_ids, params, rid, prompt_token_ids=token_ids)
+                        except RequestError as e:
+                            self._call(self._fail, rid, e)
+                            continue
+                        timings[rid] = _Timing(arrival, len(token_ids))
+                    elif cmd[0] == "abort":
+                        engine.abort(cmd[1])
+                        timings.pop(cmd[1], None)
+                if not engine.has_unfinished():
+                    continue
+                start = time.monotonic()
+                try:
+                    outputs = engine.step()
+                except RequestTooLargeError as e:  # that request alone
+                    timings.pop(e.request_id, None)
+                    self._call(self._fail, e.request_id, e)
+                    continue
+                self._record(outputs, timings, start)
+                if outputs:
+                    self._call(self._deliver, outputs)
+        except BaseException as e:  # noqa: B036 - the loop must report whatever ended it
+            logger.exception("the engine loop stopped on an error")
+            self._call(self._died, e)
+        finally:
+            try:
+                if self.error is None:
+                    engine.close()
+            except Exception:
+                logger.exception("closing the engine failed")
+
+    def _call(self, fn, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            pass
+
+    def _record(self, outputs: list[RequestOutput], timings: dict[str, _Timing], start: float) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        now = time.monotonic()
+        engine = self.engine
+        for rid, t in timings.items():  # first step that computed any of it: its queue time ends
+            if not t.scheduled:
+                seq = engine.seqs.get(rid)
+                if seq is None or seq.num_computed_tokens > 0 or seq.output_token_ids:
+                    t.scheduled = True
+                    m.queue_time.observe(max(0.0, start - t.arrival))
+        for out in outputs:
+            t = timings.get(out.request_id)
+            if t is None:
+                continue
+            m.generation_tokens.inc(len(out.new_token_ids))
+            if t.last_token is None:
+                m.ttft.observe(now - t.arrival)
+                m.prompt_tokens.inc(t.num_prompt_tokens)
+                m.prefix_queries.inc(t.num_prompt_tokens)
+                m.prefix_hits.inc(out.num_cached_tokens)
+            else:
+                m.itl.observe(now - t.last_token)
+            t.last_token = now
+            if out.finished:
+                m.e2e.observe(now - t.arrival)
+                m.request_success.labels(m.model_name, out.finish_reason or "stop").inc()
+                timings.pop(out.request_id, None)
+        self._update_gauges(timings)
+
+    def _update_gauges(self, timings) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        engine = self.engine
+        sched = engine.scheduler
+        m.running.set(len(sched.running))
+        m.waiting.set(len(sched.waiting))
+        bm = engine.block_manager
+        m.kv_usage.set(1.0 - bm.num_free_blocks / bm.num_blocks if bm.num_blocks else 0.0)
+        preemptions = engine.num_preemptions
+        if preemptions > self._seen_preemptions:
+            m.preemptions.inc(preemptions - self._seen_preemptions)
+            self._seen_preemptions = preemptions
+        for algo, n in engine.cp_steps.items():
+            seen = self._seen_cp.get(algo, 0)
+            if n > seen:
+                m.cp_steps(algo).inc(n - seen)
+                self._seen_cp[algo] = n
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"

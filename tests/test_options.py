@@ -261,6 +261,14 @@ def test_tp_error_lists_the_sizes_that_work():
         LLM(None, device="cpu", tp=4)
 
 
+def test_valid_tp_sizes_divide_heads_kv_heads_and_mlp(tiny_model_dir):
+    from ringserve.config import ModelConfig
+    from ringserve.parallel.tp import valid_tp_sizes
+
+    # 4 heads, 2 KV heads (replicated above 2), intermediate 96
+    assert valid_tp_sizes(ModelConfig.from_pretrained(tiny_model_dir("llama"))) == [1, 2, 4]
+
+
 def test_readme_tp_examples_split_their_model():
     """A tp example without a model runs the built-in model, which splits over tp 1 or 3 only."""
     with open(README) as f:

@@ -75,8 +75,8 @@ def _generate(args) -> int:
     from ringserve.errors import RingserveError
 
     try:
+        options = from_cli_args(args)  # before stdin is read: a bad flag answers at once
         prompts = _prompts(args.prompt)
-        options = from_cli_args(args)
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,

@@ -30,9 +30,9 @@ class OptionError(RingserveError, ValueError):
     """An engine option has a value that cannot work; `option` is its name."""
 
     def __init__(self, option: str, message: str):
-        super().__init__(f"{option} {message}")
+        """message: what is wrong; the option's name is put in front unless it starts with it."""
+        super().__init__(message if message.startswith(option) else f"{option} {message}")
         self.option = option
-        self.problem = message
 
 
 def _opt(default, help: str, **meta) -> Any:
@@ -138,8 +138,8 @@ class EngineOptions:
         if self.ep not in (1, self.tp, self.cp, self.tp * self.cp):
             raise OptionError(
                 "ep",
-                f"must equal tp={self.tp}, cp={self.cp} or tp x cp={self.tp * self.cp} (experts are "
-                f"spread over the processes that tp x cp starts), got {self.ep}",
+                f"ep={self.ep} must equal tp={self.tp}, cp={self.cp} or tp x cp={self.tp * self.cp}: "
+                "experts are spread over the processes that tp x cp starts",
             )
 
     def _check_device(self) -> None:
@@ -231,7 +231,7 @@ def _check_int(name: str, value) -> None:
 
 def _check_choice(name: str, value, choices) -> None:
     if value not in choices:
-        raise OptionError(name, f"must be one of {', '.join(choices)}, got {value!r}")
+        raise OptionError(name, f"{name}: unknown {name} {value!r}; choose one of {', '.join(choices)}")
 
 
 # Command line -----------------------------------------------------------------------------

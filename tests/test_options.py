@@ -234,9 +234,9 @@ def test_every_option_has_invalid_cases():
 
 @pytest.mark.parametrize("name, value", INVALID_CASES)
 def test_invalid_option_is_a_value_error_naming_it(name, value):
-    with pytest.raises(ValueError, match=rf"^{name} "):
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
         EngineOptions(**{name: value})
-    with pytest.raises(ValueError, match=rf"^{name} "):  # before any model is read
+    with pytest.raises(ValueError, match=rf"^{name}\b"):  # before any model is read
         LLM("/nonexistent/model" if name != "model" else value, **({} if name == "model" else {name: value}))
 
 

@@ -319,3 +319,21 @@ def test_summary_says_why_generation_stopped(capsys):
     batch = _generate(capsys, [QUESTION, "Count to twenty.", "--max-tokens", "3"])
     assert "(finish: length (max_tokens))" in batch
     assert batch[-1].endswith("finish: 2 length (max_tokens)")
+
+
+def test_bad_flag_exits_2_with_one_error_line():
+    import subprocess
+
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    run = subprocess.run(
+        [sys.executable, "-m", "ringserve.cli", "generate", "--block-size", "0"],
+        input="hi\n",
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert run.stderr.strip() == (
+        "error: argument --block-size: block_size must be a positive integer (>= 1), got 0"
+    )

@@ -3,78 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import sys
 import time
 
+from ringserve.options import OptionError, add_cli_args, cli_error, from_cli_args
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="Hugging Face model folder (config.json + safetensors) or a .gguf file; "
-        "default: the built-in SmolLM2-135M-Instruct",
-    )
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (a GPU if there is one)")
-    p.add_argument(
-        "--dtype", default="auto", help="float32, bfloat16, float16, or auto (the checkpoint's own)"
-    )
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks")
-    p.add_argument(
-        "--allreduce",
-        default="auto",
-        choices=["auto", "torch", "one_shot", "two_shot"],
-        help="tensor-parallel allreduce: auto picks by message size from `ringserve bench allreduce`",
-    )
-    p.add_argument(
-        "--ranks-per-host",
-        type=int,
-        default=None,
-        help="EP ranks per host; an EP group spanning hosts uses the two-shot all-to-all "
-        "(default under torchrun: its LOCAL_WORLD_SIZE)",
-    )
-    p.add_argument(
-        "--cp-algo",
-        default="auto",
-        choices=["auto", "pass_kv", "pass_q"],
-        help="context-parallel ring: auto chooses per step from new vs cached tokens",
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=60.0,
-        help="seconds a collective may wait before a dead or hung rank stops the run",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest sequence (prompt + output) in tokens; default: the model's context",
-    )
-    p.add_argument(
-        "--num-blocks", type=int, default=None, help="KV-cache blocks; default: from the memory budget"
-    )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="tokens computed per step; longer prompts are prefilled in chunks",
-    )
-    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="no CUDA graphs: decode steps launch their kernels from Python (slower; for debugging)",
-    )
-    p.add_argument("-v", "--verbose", action="count", default=0, help="-v: info logs, -vv: debug logs")
+DEFAULT_PROMPT = "What is the capital of France?"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ringserve import __version__
+
     parser = argparse.ArgumentParser(prog="ringserve", description="LLM inference engine for long contexts")
+    parser.add_argument("--version", action="version", version=f"ringserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser(
         "generate",
@@ -85,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "prompt",
         nargs="*",
-        help="prompt text; several prompts run as one batch (default: 'What is the capital of France?')",
+        help="prompt text; several prompts run as one batch; none (or -): read the prompt from stdin "
+        f"when it is piped, else {DEFAULT_PROMPT!r}",
     )
     gen.add_argument("--max-tokens", type=int, default=128, help="new tokens at most per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; higher is more random")
@@ -99,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="raw completion: do not wrap the prompt in the model's chat template",
     )
-    _add_model_args(gen)
+    add_cli_args(gen)
 
     _add_serve_parser(sub)
 
@@ -145,7 +89,7 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument(
         "--max-waiting", type=int, default=1024, help="requests waiting for their first token; beyond: 503"
     )
-    _add_model_args(serve)
+    add_cli_args(serve)
 
 
 def _serve(args) -> int:
@@ -153,33 +97,23 @@ def _serve(args) -> int:
     from ringserve.errors import RingserveError
     from ringserve.server import run_server
 
-    model = args.model_pos or args.model
+    if args.model_pos is not None:
+        if getattr(args, "model", None) not in (None, args.model_pos):
+            print("error: give the model once, as MODEL or --model", file=sys.stderr)
+            return 2
+        args.model = args.model_pos
     try:
-        llm = LLM(
-            model=model,
-            device=args.device,
-            dtype=args.dtype,
-            tp=args.tp,
-            cp=args.cp,
-            ep=args.ep,
-            show_progress=sys.stderr.isatty(),
-            max_model_len=args.max_model_len,
-            num_blocks=args.num_blocks,
-            block_size=args.block_size,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=not args.no_prefix_caching,
-            max_num_seqs=args.max_num_seqs,
-            enforce_eager=args.enforce_eager,
-            allreduce=args.allreduce,
-            timeout_s=args.timeout,
-            cp_algo=args.cp_algo,
-            ranks_per_host=args.ranks_per_host,
-        )
+        options = from_cli_args(args)
+    except OptionError as e:
+        print(f"error: {cli_error(e)}", file=sys.stderr)
+        return 2
+    try:
+        llm = LLM.from_options(options)
     except (RingserveError, ValueError, NotImplementedError, MemoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    name = args.served_model_name or model or "SmolLM2-135M-Instruct"
-    log_level = {0: "info", 1: "info"}.get(args.verbose, "debug")
+    name = args.served_model_name or options.model or "SmolLM2-135M-Instruct"
+    log_level = "debug" if getattr(args, "verbose", 0) > 1 else "info"
     return run_server(llm.engine, name, args.host, args.port, args.api_key, args.max_waiting, log_level)
 
 
@@ -187,8 +121,9 @@ def _generate(args) -> int:
     from ringserve import LLM, SamplingParams
     from ringserve.errors import RingserveError
 
-    prompts = args.prompt or ["What is the capital of France?"]
     try:
+        options = from_cli_args(args)  # before stdin is read: a bad flag answers at once
+        prompts = _prompts(args.prompt)
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -198,26 +133,14 @@ def _generate(args) -> int:
             stop=args.stop,
             ignore_eos=args.ignore_eos,
         )
-        llm = LLM(
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            tp=args.tp,
-            cp=args.cp,
-            ep=args.ep,
-            show_progress=sys.stderr.isatty(),
-            max_model_len=args.max_model_len,
-            num_blocks=args.num_blocks,
-            block_size=args.block_size,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=not args.no_prefix_caching,
-            max_num_seqs=args.max_num_seqs,
-            enforce_eager=args.enforce_eager,
-            allreduce=args.allreduce,
-            timeout_s=args.timeout,
-            cp_algo=args.cp_algo,
-            ranks_per_host=args.ranks_per_host,
-        )
+    except OptionError as e:
+        print(f"error: {cli_error(e)}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        llm = LLM.from_options(options)
     except (RingserveError, ValueError, NotImplementedError, MemoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -249,17 +172,48 @@ def _generate(args) -> int:
             for i, (prompt, out) in enumerate(
                 zip(prompts, sorted(outputs.values(), key=lambda o: int(o.request_id)))
             ):
-                print(f"[{i}] {prompt}\n{out.text}\n")
+                print(f"[{i}] {prompt}\n{out.text}\n(finish: {finish_reason(out, params)})\n")
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs.values())
         new_tokens = sum(len(o.token_ids) for o in outputs.values())
         ttft = (first_token - start) * 1000 if first_token else float("nan")
         decode_time = end - (first_token or start)
         rate = (new_tokens - len(outputs)) / decode_time if decode_time > 0 else float("nan")
+        reasons = collections.Counter(finish_reason(o, params) for o in outputs.values())
+        finish = ", ".join(r if len(outputs) == 1 else f"{n} {r}" for r, n in sorted(reasons.items()))
         print(
             f"prompt tokens: {prompt_tokens}, generated tokens: {new_tokens}, "
-            f"time to first token: {ttft:.1f} ms, decode: {rate:.1f} tokens/s, total: {end - start:.2f} s"
+            f"time to first token: {ttft:.1f} ms, decode: {rate:.1f} tokens/s, total: {end - start:.2f} s, "
+            f"finish: {finish}"
         )
     return 0
+
+
+def _prompts(given: list[str]) -> list[str]:
+    """The prompt arguments; none or "-": stdin when it is piped (not a terminal)."""
+    if given and given != ["-"]:
+        return given
+    if given == ["-"] or (sys.stdin is not None and not sys.stdin.isatty()):
+        try:
+            text = sys.stdin.read().strip()
+        except OSError:  # stdin closed or unreadable (e.g. under a test runner)
+            text = ""
+        if text:
+            return [text]
+        if given == ["-"]:
+            raise ValueError("no prompt on stdin")
+    return [DEFAULT_PROMPT]
+
+
+def finish_reason(out, params) -> str:
+    """Why a request stopped: eos, stop (with the string or token), length (max_tokens or max_model_len)."""
+    if out.finish_reason == "stop":
+        if out.stop_reason is None:
+            return "eos"
+        kind = "string" if isinstance(out.stop_reason, str) else "token"
+        return f"stop {kind} {out.stop_reason!r}"
+    if out.finish_reason == "length":
+        return "length (max_tokens)" if len(out.token_ids) >= params.max_tokens else "length (max_model_len)"
+    return str(out.finish_reason)
 
 
 def main(argv: list[str] | None = None) -> int:

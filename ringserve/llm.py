@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from ringserve.config import EngineConfig, ParallelConfig
-from ringserve.engine.engine import LLMEngine
+from ringserve.options import EngineOptions
 from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import SamplingParams
 
@@ -16,45 +15,28 @@ class LLM:
     """An engine for offline generation.
 
     model: a Hugging Face folder, a .gguf file, or None for the built-in SmolLM2-135M-Instruct.
-    device: "cpu", "cuda", "cuda:N" or "auto"; dtype: float32, bfloat16, float16 or auto.
-    tp: tensor-parallel ranks, started by this call (gloo on CPU, NCCL on CUDA) or, under
-    torchrun, the launched world; allreduce: auto, torch, one_shot or two_shot; timeout_s:
-    how long a collective may wait before a dead or hung rank ends the run with an error.
-    cp: context-parallel ranks (cp_algo: auto, pass_kv or pass_q). ep: expert-parallel ranks
-    for MoE models, the same processes as tp, cp or tp x cp; ranks_per_host: when the EP
-    group spans hosts, its all-to-all goes two-shot (inside the host, then across).
-    Further keyword arguments set EngineConfig fields (block_size, num_blocks,
-    max_model_len, max_num_batched_tokens, max_num_seqs, enable_prefix_caching,
-    enforce_eager: no CUDA graphs for decode, ...).
+    Every other keyword is an engine option, defined with its default and meaning in
+    ringserve/options.py (EngineOptions): device, dtype, tp, cp, ep, ranks_per_host,
+    allreduce, cp_algo, timeout_s, block_size, num_blocks, kv_cache_memory,
+    gpu_memory_utilization, max_model_len, max_num_batched_tokens, max_num_seqs,
+    enable_prefix_caching, enforce_eager, show_progress. An unknown keyword is a TypeError
+    naming the close matches; a value that cannot work is a ValueError naming the option.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        device: str = "auto",
-        dtype: str = "auto",
-        tp: int = 1,
-        cp: int = 1,
-        ep: int = 1,
-        ranks_per_host: int | None = None,
-        allreduce: str = "auto",
-        cp_algo: str = "auto",
-        timeout_s: float = 60.0,
-        show_progress: bool = False,
-        **engine_kwargs,
-    ):
-        self.parallel_config = ParallelConfig(tp=tp, cp=cp, ep=ep, ranks_per_host=ranks_per_host)
-        self.engine = LLMEngine(
-            model,
-            device,
-            dtype,
-            EngineConfig(**engine_kwargs),
-            show_progress,
-            parallel=self.parallel_config,
-            allreduce=allreduce,
-            timeout_s=timeout_s,
-            cp_algo=cp_algo,
-        )
+    def __init__(self, model: str | None = None, **options):
+        self._init(EngineOptions.from_kwargs(model=model, **options))
+
+    @classmethod
+    def from_options(cls, options: EngineOptions) -> LLM:
+        """An LLM from an EngineOptions (e.g. `from_cli_args(args)`)."""
+        llm = cls.__new__(cls)
+        llm._init(options)
+        return llm
+
+    def _init(self, options: EngineOptions) -> None:
+        self.options = options
+        self.engine = options.create_engine()
+        self.parallel_config = self.engine.parallel
 
     @property
     def tokenizer(self):

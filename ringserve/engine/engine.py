@@ -31,8 +31,9 @@ from ringserve.engine.scheduler import Scheduler
 from ringserve.engine.sequence import Sequence
 from ringserve.errors import ModelLoadError, RequestError, RequestTooLargeError
 from ringserve.gguf_import import builtin_model_path, converted_folder
+from ringserve.options import EngineOptions
 from ringserve.outputs import RequestOutput, TokenLogprob
-from ringserve.parallel.cp import CP_ALGOS, CPCalibration, choose_cp_algo
+from ringserve.parallel.cp import CPCalibration, choose_cp_algo
 from ringserve.parallel.tp import validate_tp
 from ringserve.sampling_params import SamplingParams
 
@@ -66,29 +67,52 @@ class LLMEngine:
     def __init__(
         self,
         model: str | None = None,
-        device: str | torch.device | None = "auto",
-        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
         engine_config: EngineConfig | None = None,
-        show_progress: bool = False,
+        show_progress: bool | None = None,
         weights: Mapping[str, torch.Tensor] | None = None,
         parallel: ParallelConfig | None = None,
-        allreduce: str = "auto",
-        timeout_s: float = 60.0,
-        cp_algo: str = "auto",
+        allreduce: str | None = None,
+        timeout_s: float | None = None,
+        cp_algo: str | None = None,
+        *,
+        options: EngineOptions | None = None,
     ):
-        """weights: tensors by Hugging Face name to use instead of the folder's files (the
-        folder still gives config and tokenizer), e.g. a transformers model's state_dict.
-        parallel: tp x cp ranks (started here, or joined under torchrun); timeout_s bounds
-        every collective, so a rank that dies or hangs ends the run with an error.
-        cp_algo: auto (per step, by DESIGN.md 2.5's rule), pass_kv or pass_q."""
-        self.engine_config = ec = engine_config or EngineConfig()
-        self.parallel = parallel = parallel or ParallelConfig()
-        self.model_path = resolve_model_path(model)
-        self.device = resolve_device(device)
+        """options: every engine option (ringserve/options.py), e.g. from `EngineOptions(...)`,
+        `LLM(...)` or the command line. The other arguments are a shorthand for them (None:
+        the option's default; engine_config and parallel give their fields).
+        weights: tensors by Hugging Face name to use instead of the folder's files (the
+        folder still gives config and tokenizer), e.g. a transformers model's state_dict."""
+        legacy = dict(
+            model=model,
+            device=device,
+            dtype=dtype,
+            show_progress=show_progress,
+            allreduce=allreduce,
+            timeout_s=timeout_s,
+            cp_algo=cp_algo,
+        )
+        if options is None:
+            options = EngineOptions.from_configs(engine_config, parallel, **legacy)
+        elif engine_config is not None or parallel is not None or any(v is not None for v in legacy.values()):
+            raise TypeError("LLMEngine(options=...) takes no other options: set them on the EngineOptions")
+        options.validate()
+        # Everything below reads the options from here; nothing else configures the engine.
+        self.options = options
+        self.engine_config = options.engine_config()
+        self.parallel = options.parallel_config()
+        self.cp_algo = options.cp_algo
+        self.show_progress = options.resolved_show_progress()
+        self._start(weights)
+
+    def _start(self, weights: Mapping[str, torch.Tensor] | None) -> None:
+        """Load the model and start the ranks, the KV cache and the scheduler."""
+        options, ec, parallel = self.options, self.engine_config, self.parallel
+        self.model_path = resolve_model_path(options.model)
+        self.device = resolve_device(options.device)
         self.model_config = config = ModelConfig.from_pretrained(self.model_path)
         # Refuse what cannot work before any process starts or any weight is read.
-        if cp_algo not in CP_ALGOS:
-            raise ValueError(f"unknown cp_algo {cp_algo!r}; choose one of {', '.join(CP_ALGOS)}")
         if parallel.tp > 1:
             validate_tp(config, parallel.tp)
         gpus = torch.cuda.device_count() if self.device.type == "cuda" else 0
@@ -101,7 +125,7 @@ class LLMEngine:
                 f"ep={parallel.ep} needs a mixture-of-experts model whose experts divide evenly; "
                 f"{config.architecture} has {config.num_experts} experts"
             )
-        self.dtype = resolve_dtype(dtype, config.dtype, self.device)
+        self.dtype = resolve_dtype(options.dtype, config.dtype, self.device)
         self.max_model_len = ec.max_model_len or config.max_position_embeddings
         spec = WorkerSpec(
             self.model_path,
@@ -111,8 +135,8 @@ class LLMEngine:
             self.max_model_len,
             parallel,
             self.device.type,
-            allreduce,
-            timeout_s,
+            options.allreduce,
+            options.timeout_s,
         )
         if parallel.world_size > 1 or torchrun_env() is not None:
             if weights is not None:
@@ -120,12 +144,11 @@ class LLMEngine:
             env = torchrun_env()
             if env is not None and env[0] != 0:
                 run_torchrun_rank(spec)  # serves rank 0's steps, then ends this process
-            self.executor = MultiprocessExecutor(spec, show_progress)
+            self.executor = MultiprocessExecutor(spec, self.show_progress)
         else:
-            self.executor = LocalExecutor(spec, self.device, show_progress, weights)
+            self.executor = LocalExecutor(spec, self.device, self.show_progress, weights)
         self.tokenizer = _load_tokenizer(self.model_path)
         self.eos_token_ids = _eos_token_ids(self.model_path, config, self.tokenizer)
-        self.cp_algo = cp_algo
         self.cp_calibration = CPCalibration.load(self.device.type)
         num_blocks = self.executor.num_blocks * parallel.cp  # each CP rank has its own pool
         self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching, parallel.cp)

@@ -14,8 +14,7 @@ from ringserve.config import ModelConfig, TPShard
 from ringserve.weights import ShardPlan
 
 
-def validate_tp(config: ModelConfig, tp: int) -> None:
-    """Raise before any weight is read if the model cannot be split tp ways."""
+def _tp_problems(config: ModelConfig, tp: int) -> list[str]:
     problems = []
     if config.num_attention_heads % tp:
         problems.append(f"num_attention_heads={config.num_attention_heads}")
@@ -26,10 +25,21 @@ def validate_tp(config: ModelConfig, tp: int) -> None:
         problems.append(f"intermediate_size={config.intermediate_size}")
     if config.is_moe and config.moe_intermediate_size % tp:
         problems.append(f"moe_intermediate_size={config.moe_intermediate_size}")
+    return problems
+
+
+def valid_tp_sizes(config: ModelConfig) -> list[int]:
+    """Every tp the model can be split over (each divides the attention heads)."""
+    return [t for t in range(1, config.num_attention_heads + 1) if not _tp_problems(config, t)]
+
+
+def validate_tp(config: ModelConfig, tp: int) -> None:
+    """Raise before any weight is read if the model cannot be split tp ways."""
+    problems = _tp_problems(config, tp)
     if problems:
         raise ValueError(
-            f"cannot split {config.architecture} over tp={tp} ranks: {', '.join(problems)} "
-            f"not divisible by {tp}"
+            f"tp={tp}: cannot split {config.architecture} over {tp} ranks: {', '.join(problems)} "
+            f"not divisible by {tp}; tp can be {', '.join(map(str, valid_tp_sizes(config)))}"
         )
 
 

@@ -1,0 +1,295 @@
+"""The engine's options, defined once: `LLM(...)`, `ringserve generate` and `ringserve serve` are built from them.
+
+`EngineOptions` holds every option with its default and help text, and `validate()` checks
+them all (a ValueError that names the option). From it come the command-line flags
+(`add_cli_args`, `from_cli_args`), the configs the engine runs on (`parallel_config()`,
+`engine_config()`) and the engine itself (`create_engine()`). A new option is a new field
+here; tests/test_options.py fails until it reaches the engine from every entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ringserve.config import DTYPES, EngineConfig, ParallelConfig
+from ringserve.errors import RingserveError
+from ringserve.parallel.allreduce import BACKENDS
+from ringserve.parallel.cp import CP_ALGOS
+
+
+class OptionError(RingserveError, ValueError):
+    """An engine option has a value that cannot work; `option` is its name."""
+
+    def __init__(self, option: str, message: str):
+        """message: what is wrong; the option's name is put in front unless it starts with it."""
+        super().__init__(message if message.startswith(option) else f"{option} {message}")
+        self.option = option
+
+
+def _opt(default, help: str, **meta) -> Any:
+    """A field with its help text; meta: cli_flags (the flags, when not --field-name),
+    cli_negative (extra flags that set a bool to False), choices."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class EngineOptions:
+    """Every engine option. Keyword arguments of `LLM(...)`; flags of `ringserve generate/serve`."""
+
+    # The model and where it runs.
+    model: str | None = _opt(
+        None,
+        "Hugging Face model folder (config.json + safetensors) or a .gguf file; "
+        "default: the built-in SmolLM2-135M-Instruct",
+    )
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (a GPU if there is one)")
+    dtype: str = _opt(
+        "auto", "float32, bfloat16, float16, or auto (the checkpoint's own)", choices=("auto", *DTYPES)
+    )
+    # Parallelism (ParallelConfig).
+    tp: int = _opt(1, "tensor-parallel ranks")
+    cp: int = _opt(1, "context-parallel ranks")
+    ep: int = _opt(1, "expert-parallel ranks (MoE models): equal to tp, cp or tp x cp")
+    ranks_per_host: int | None = _opt(
+        None,
+        "EP ranks per host; an EP group spanning hosts uses the two-shot all-to-all "
+        "(default under torchrun: its LOCAL_WORLD_SIZE)",
+    )
+    allreduce: str = _opt(
+        "auto",
+        "tensor-parallel allreduce: auto picks by message size from `ringserve bench allreduce`",
+        choices=BACKENDS,
+    )
+    cp_algo: str = _opt(
+        "auto", "context-parallel ring: auto chooses per step from new vs cached tokens", choices=CP_ALGOS
+    )
+    timeout_s: float = _opt(
+        60.0,
+        "seconds a collective may wait before a dead or hung rank stops the run",
+        cli_flags=("--timeout", "--timeout-s"),
+    )
+    # Memory and scheduling (EngineConfig).
+    block_size: int = _opt(16, "tokens per KV-cache block")
+    num_blocks: int | None = _opt(None, "KV-cache blocks per rank; default: from the memory budget")
+    kv_cache_memory: int | None = _opt(
+        None,
+        "bytes for the KV cache per rank; default: gpu_memory_utilization of free GPU memory, 1 GiB on CPU",
+    )
+    gpu_memory_utilization: float = _opt(
+        0.9, "share of the GPU's free memory (after the weights) the KV cache may take, in (0, 1]"
+    )
+    max_model_len: int | None = _opt(
+        None, "longest sequence (prompt + output) in tokens; default: the model's context"
+    )
+    max_num_batched_tokens: int = _opt(
+        2048, "tokens computed per step; longer prompts are prefilled in chunks"
+    )
+    max_num_seqs: int = _opt(256, "sequences running at once")
+    enable_prefix_caching: bool = _opt(
+        True, "reuse cached prompt prefixes", cli_negative=("--no-prefix-caching",)
+    )
+    enforce_eager: bool = _opt(
+        False, "no CUDA graphs: decode steps launch their kernels from Python (slower; for debugging)"
+    )
+    show_progress: bool | None = _opt(
+        None, "progress bar while loading weights; default: when stderr is a terminal"
+    )
+
+    def __post_init__(self):
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        self.validate()
+
+    # Validation -----------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Raise OptionError (a ValueError) naming the first option that cannot work."""
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise OptionError("model", f"must be a path or None (the built-in model), got {self.model!r}")
+        self._check_device()
+        if not isinstance(self.dtype, torch.dtype):
+            _check_choice("dtype", self.dtype, _field("dtype").metadata["choices"])
+        for name in ("tp", "cp", "ep", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+            _check_int(name, getattr(self, name))
+        for name in ("ranks_per_host", "num_blocks", "kv_cache_memory", "max_model_len"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name))
+        _check_choice("allreduce", self.allreduce, BACKENDS)
+        _check_choice("cp_algo", self.cp_algo, CP_ALGOS)
+        if not _is_number(self.timeout_s) or not 0 < self.timeout_s < math.inf:
+            raise OptionError("timeout_s", f"must be a positive number of seconds, got {self.timeout_s!r}")
+        u = self.gpu_memory_utilization
+        if not _is_number(u) or not 0 < u <= 1:
+            raise OptionError("gpu_memory_utilization", f"must be in (0, 1], got {u!r}")
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionError(name, f"must be True or False, got {getattr(self, name)!r}")
+        if self.show_progress is not None and not isinstance(self.show_progress, bool):
+            raise OptionError("show_progress", f"must be True, False or None, got {self.show_progress!r}")
+        if self.ep not in (1, self.tp, self.cp, self.tp * self.cp):
+            raise OptionError(
+                "ep",
+                f"ep={self.ep} must equal tp={self.tp}, cp={self.cp} or tp x cp={self.tp * self.cp}: "
+                "experts are spread over the processes that tp x cp starts",
+            )
+
+    def _check_device(self) -> None:
+        device = self.device
+        if device == "auto":
+            return
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise OptionError("device", f"must be cpu, cuda, cuda:N or auto, got {device!r}") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise OptionError("device", f"must be cpu, cuda, cuda:N or auto, got {device!r}")
+        if dev.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0:
+                raise OptionError(
+                    "device", f"{str(device)!r} was asked for, but PyTorch sees no CUDA GPU (use cpu or auto)"
+                )
+            if dev.index is not None and dev.index >= count:
+                raise OptionError(
+                    "device", f"{str(device)!r} is out of range: this machine has {count} GPU(s)"
+                )
+
+    # What the engine runs on ------------------------------------------------------------
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelConfig)})
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)})
+
+    def resolved_show_progress(self) -> bool:
+        if self.show_progress is None:
+            return sys.stderr is not None and sys.stderr.isatty()
+        return self.show_progress
+
+    def create_engine(self, weights=None):
+        """The engine these options describe. weights: in-memory tensors by Hugging Face name."""
+        from ringserve.engine.engine import LLMEngine
+
+        return LLMEngine(options=self, weights=weights)
+
+    # Construction -----------------------------------------------------------------------
+
+    @classmethod
+    def from_kwargs(cls, caller: str = "LLM()", **kwargs) -> EngineOptions:
+        """Options from keyword arguments; an unknown name is a TypeError naming close matches."""
+        names = field_names()
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=3)
+                hint = f"; did you mean {' or '.join(close)}?" if close else ""
+                raise TypeError(
+                    f"{caller} got an unknown option {key!r}{hint} (options: {', '.join(names)}; "
+                    "see ringserve/options.py)"
+                )
+        return cls(**kwargs)
+
+    @classmethod
+    def from_configs(
+        cls,
+        engine_config: EngineConfig | None = None,
+        parallel: ParallelConfig | None = None,
+        **kwargs,
+    ) -> EngineOptions:
+        """Options from config objects plus keyword options (None: the default)."""
+        for config in (engine_config, parallel):
+            if config is not None:
+                kwargs.update(dataclasses.asdict(config))
+        return cls.from_kwargs("LLMEngine()", **{k: v for k, v in kwargs.items() if v is not None})
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(EngineOptions)]
+
+
+def _field(name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(EngineOptions) if f.name == name)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise OptionError(name, f"must be a positive integer (>= 1), got {value!r}")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise OptionError(name, f"{name}: unknown {name} {value!r}; choose one of {', '.join(choices)}")
+
+
+# Command line -----------------------------------------------------------------------------
+
+
+def cli_flags(name: str) -> tuple[str, ...]:
+    """The command-line flags of option `name` (the first is the main one)."""
+    return _field(name).metadata.get("cli_flags") or ("--" + name.replace("_", "-"),)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add a flag per engine option (and -v) to `parser`; `from_cli_args` reads them back.
+
+    Flags left out keep no value in the namespace, so the defaults live only in EngineOptions.
+    """
+    group = parser.add_argument_group("engine options (ringserve/options.py)")
+    for f in dataclasses.fields(EngineOptions):
+        flags = cli_flags(f.name)
+        default = f.default
+        help = f.metadata["help"]
+        kind = _field_type(f)
+        if kind is bool:
+            negative = ("--no-" + flags[0][2:], *f.metadata.get("cli_negative", ()))
+            on = f"{help} (default: {'on' if default else 'off' if default is False else 'auto'})"
+            group.add_argument(*flags, dest=f.name, action="store_true", default=argparse.SUPPRESS, help=on)
+            group.add_argument(
+                *negative,
+                dest=f.name,
+                action="store_false",
+                default=argparse.SUPPRESS,
+                help="turn off: " + help,
+            )
+            continue
+        kwargs = {"dest": f.name, "type": kind, "default": argparse.SUPPRESS}
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        if default is not None:
+            help += f" (default: {default})"
+        group.add_argument(*flags, help=help, metavar=f.name.upper(), **kwargs)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="-v: info logs, -vv: debug logs")
+    return parser
+
+
+def from_cli_args(args: argparse.Namespace) -> EngineOptions:
+    """The options a parsed command line gives; an invalid value raises OptionError."""
+    given = {name: getattr(args, name) for name in field_names() if hasattr(args, name)}
+    return EngineOptions(**given)
+
+
+def cli_error(e: OptionError) -> str:
+    """The message for a bad flag: `argument --block-size: block_size must be ...`."""
+    return f"argument {'/'.join(cli_flags(e.option))}: {e}"
+
+
+def _field_type(f: dataclasses.Field):
+    """bool, int, float or str, from the annotation (a string under `from __future__ import annotations`)."""
+    t = str(f.type)
+    for name, kind in (("bool", bool), ("int", int), ("float", float)):
+        if t.startswith(name):
+            return kind
+    return str

@@ -92,9 +92,19 @@ def _add_serve_parser(sub) -> None:
     add_cli_args(serve)
 
 
-def _serve(args) -> int:
+def _start(options):
+    """The LLM for these options, or None after printing why it cannot start."""
     from ringserve import LLM
     from ringserve.errors import RingserveError
+
+    try:
+        return LLM.from_options(options)
+    except (RingserveError, ValueError, NotImplementedError, MemoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+
+
+def _serve(args) -> int:
     from ringserve.server import run_server
 
     if args.model_pos is not None:
@@ -107,10 +117,8 @@ def _serve(args) -> int:
     except OptionError as e:
         print(f"error: {cli_error(e)}", file=sys.stderr)
         return 2
-    try:
-        llm = LLM.from_options(options)
-    except (RingserveError, ValueError, NotImplementedError, MemoryError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    llm = _start(options)
+    if llm is None:
         return 2
     name = args.served_model_name or options.model or "SmolLM2-135M-Instruct"
     log_level = "debug" if getattr(args, "verbose", 0) > 1 else "info"
@@ -118,7 +126,7 @@ def _serve(args) -> int:
 
 
 def _generate(args) -> int:
-    from ringserve import LLM, SamplingParams
+    from ringserve import SamplingParams
     from ringserve.errors import RingserveError
 
     try:
@@ -139,10 +147,8 @@ def _generate(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        llm = LLM.from_options(options)
-    except (RingserveError, ValueError, NotImplementedError, MemoryError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    llm = _start(options)
+    if llm is None:
         return 2
     with llm:
         chat = (

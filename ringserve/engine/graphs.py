@@ -103,7 +103,8 @@ class DecodeGraphs:
         )
         self.runner.host_elements += host.numel()
         self.inputs[:, :n].copy_(host, non_blocking=True)
-        self._fill_padding(b, n)
+        if b > n:
+            self._fill_padding(b, n)
         if b in self.graphs:
             self.graphs[b].replay()
             return self.logits[:n]

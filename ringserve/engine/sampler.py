@@ -65,7 +65,12 @@ class SamplingTensors:
             else:
                 all_greedy = False
                 needs_sort |= top_p < 1.0 or top_k < (vocab_size or _NO_TOP_K)
-            key, key2 = _row_keys(seq.sampling_seed & 0xFFFFFFFFFFFFFFFF, len(seq.output_token_ids))
+            # Greedy rows draw nothing: no keys to hash.
+            key, key2 = (
+                (0, 0)
+                if greedy
+                else _row_keys(seq.sampling_seed & 0xFFFFFFFFFFFFFFFF, len(seq.output_token_ids))
+            )
             floats.append((1.0 if greedy else p.temperature, top_p))
             ints.append((int(greedy), top_k, key, key2))
         f = torch.tensor(floats, dtype=torch.float32).reshape(-1, 2).to(device)
@@ -201,5 +206,7 @@ def sample_tokens(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits [S, V] float32, one row per sequence -> the chosen token ids (one host transfer)."""
+    if all(seq.params.greedy for seq in seqs):  # the common decode batch: no per-row tensors to build
+        return logits.argmax(dim=-1).tolist()
     tensors = SamplingTensors.from_seqs(seqs, logits.device, logits.shape[-1])
     return sample_tokens(logits, tensors).tolist()

@@ -107,6 +107,12 @@ def _start(options):
 def _serve(args) -> int:
     from ringserve.server import run_server
 
+    for flag, value in (("--max-waiting", args.max_waiting), ("--port", args.port)):
+        low, high = (1, None) if flag == "--max-waiting" else (0, 65535)
+        if value < low or (high is not None and value > high):
+            allowed = f"{low} or more" if high is None else f"in {low}..{high}"
+            print(f"error: argument {flag}: must be {allowed}, got {value}", file=sys.stderr)
+            return 2
     if args.model_pos is not None:
         if getattr(args, "model", None) not in (None, args.model_pos):
             print("error: give the model once, as MODEL or --model", file=sys.stderr)

@@ -619,3 +619,11 @@ def test_sigterm_ends_in_flight_requests_and_exits_0(tmp_path):
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+@pytest.mark.parametrize("flag,value", [("--max-waiting", "0"), ("--port", "-1"), ("--port", "70000")])
+def test_serve_refuses_bad_server_flags(flag, value, capsys):
+    from ringserve.cli import main
+
+    assert main(["serve", flag, value]) == 2
+    assert f"argument {flag}" in capsys.readouterr().err

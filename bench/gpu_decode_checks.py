@@ -4,8 +4,8 @@
   python bench/gpu_decode_checks.py --smoke    # CPU, fewer steps: the logic only
 
 For each tiny architecture of tests/conftest.py, in float32:
-- greedy tokens over 256 decode steps (ignore_eos) with CUDA graphs equal those with
-  enforce_eager=True, at batch 1, 3 and 17 with prompts of different lengths, and at batch 17
+- greedy tokens over 256 decode steps (ignore_eos) with CUDA graphs and async scheduling
+  equal those with enforce_eager=True and synchronous steps, at batch 1, 3 and 17 with prompts of different lengths, and at batch 17
   with staggered max_tokens (the batch shrinks from 17 to 1 as sequences finish, so many graph
   sizes are replayed); prompt + 256 stays under the models' 512 positions;
 - a graph replay (batch 3 padded to the bucket of 4) is bitwise equal (torch.equal) to the
@@ -66,7 +66,8 @@ def cases(max_tokens: int) -> dict[str, list[tuple[list[int], int]]]:
 
 
 def greedy(folder: str, device: str, eager: bool, work) -> dict[str, list[list[int]]]:
-    kw = engine_kwargs(enforce_eager=eager, kv_cache_memory=KV_CACHE_MEMORY)
+    """Graphs run with async scheduling (the GPU default), eager without: both change at once."""
+    kw = engine_kwargs(enforce_eager=eager, kv_cache_memory=KV_CACHE_MEMORY, async_scheduling=not eager)
     with LLM(folder, device=device, dtype="float32", tp=1, **kw) as llm:
         out = {}
         for name, reqs in work.items():
@@ -88,21 +89,23 @@ def first_decode_logits(folder: str, device: str, eager: bool, prompts) -> torch
         engine_config=engine_config(enforce_eager=eager, kv_cache_memory=KV_CACHE_MEMORY),
     )
     captured = []
-    original = engine_module.sample
+    original = engine_module.sample_on_device
 
     def recording_sample(logits, seqs):
         captured.append(logits.detach().clone())
         return original(logits, seqs)
 
-    engine_module.sample = recording_sample
+    engine_module.sample_on_device = recording_sample
     try:
         params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
         for p in prompts:
             engine.add_request(p, params)
         engine.step()  # the prompts
         engine.step()  # the first decode step
+        while engine.has_unfinished():  # its tokens (read one call later with async scheduling)
+            engine.step()
     finally:
-        engine_module.sample = original
+        engine_module.sample_on_device = original
         engine.close()
     return captured[1] if len(captured) == 2 else None
 

@@ -71,10 +71,16 @@ def main():
         for _ in range(4):
             engine.step()
         step_ms = per_step_ms(engine.step, args.steps)
+        engine.async_scheduling = False  # the same engine, each step's tokens read before the next
+        sync_ms = per_step_ms(engine.step, args.steps)
+        engine.async_scheduling = True
         graphs = runner.graphs
         bucket = next(b for b in graphs.buckets if b >= batch)
         replay_ms = per_step_ms(graphs.graphs[bucket].replay, args.steps)
-        print(f"batch {batch:3d}: engine.step {step_ms:6.2f} ms, graph replay alone {replay_ms:6.2f} ms")
+        print(
+            f"batch {batch:3d}: engine.step {step_ms:6.2f} ms (async scheduling), {sync_ms:6.2f} ms "
+            f"(synchronous), graph replay alone {replay_ms:6.2f} ms"
+        )
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 graphs.graphs[bucket].replay()

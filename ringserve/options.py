@@ -100,6 +100,11 @@ class EngineOptions:
     enforce_eager: bool = _opt(
         False, "no CUDA graphs: decode steps launch their kernels from Python (slower; for debugging)"
     )
+    async_scheduling: bool | None = _opt(
+        None,
+        "schedule and launch the next step while the device runs this one, so the host's "
+        "work hides behind the device's (one rank only); default: on for a one-rank GPU engine",
+    )
     show_progress: bool | None = _opt(
         None, "progress bar while loading weights; default: when stderr is a terminal"
     )
@@ -133,8 +138,15 @@ class EngineOptions:
         for name in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(name, f"must be True or False, got {getattr(self, name)!r}")
-        if self.show_progress is not None and not isinstance(self.show_progress, bool):
-            raise OptionError("show_progress", f"must be True, False or None, got {self.show_progress!r}")
+        for name in ("async_scheduling", "show_progress"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise OptionError(name, f"must be True, False or None, got {getattr(self, name)!r}")
+        if self.async_scheduling and self.tp * self.cp > 1:
+            raise OptionError(
+                "async_scheduling",
+                f"needs one rank (tp=1, cp=1), got tp={self.tp} cp={self.cp}: the other ranks "
+                "could not see tokens that stay on rank 0's device",
+            )
         if self.ep not in (1, self.tp, self.cp, self.tp * self.cp):
             raise OptionError(
                 "ep",
@@ -170,6 +182,11 @@ class EngineOptions:
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)})
+
+    def resolved_async_scheduling(self, device: torch.device) -> bool:
+        if self.async_scheduling is None:
+            return device.type == "cuda" and self.tp * self.cp == 1
+        return self.async_scheduling
 
     def resolved_show_progress(self) -> bool:
         if self.show_progress is None:

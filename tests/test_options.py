@@ -47,6 +47,7 @@ REACHED = {
     "max_num_seqs": lambda e, rec: e.scheduler.max_num_seqs,
     "enable_prefix_caching": lambda e, rec: e.block_manager.enable_prefix_caching,
     "enforce_eager": lambda e, rec: rec["spec"].engine_config.enforce_eager,
+    "async_scheduling": lambda e, rec: e.async_scheduling,
     "show_progress": lambda e, rec: rec["show_progress"],
 }
 
@@ -73,6 +74,7 @@ def non_default_values(model_dir: str) -> dict:
         max_num_seqs=7,
         enable_prefix_caching=False,
         enforce_eager=True,
+        async_scheduling=False,
         show_progress=True,
     )
 
@@ -223,6 +225,7 @@ INVALID = {
     "max_num_seqs": [0, -1],
     "enable_prefix_caching": ["no"],
     "enforce_eager": [1],
+    "async_scheduling": ["on"],
     "show_progress": ["yes"],
 }
 INVALID_CASES = [(name, value) for name, values in INVALID.items() for value in values]
@@ -240,7 +243,7 @@ def test_invalid_option_is_a_value_error_naming_it(name, value):
         LLM("/nonexistent/model" if name != "model" else value, **({} if name == "model" else {name: value}))
 
 
-BOOLS = ("enable_prefix_caching", "enforce_eager", "show_progress")  # flags without a value
+BOOLS = ("enable_prefix_caching", "enforce_eager", "async_scheduling", "show_progress")  # flags without a value
 
 
 @pytest.mark.parametrize("name, value", [(n, v) for n, v in INVALID_CASES if n not in BOOLS])

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,9 +27,9 @@ from ringserve.engine.executor import (
     torchrun_env,
 )
 from ringserve.engine.runner import StepInput
-from ringserve.engine.sampler import sample
-from ringserve.engine.scheduler import Scheduler
-from ringserve.engine.sequence import Sequence
+from ringserve.engine.sampler import sample_on_device
+from ringserve.engine.scheduler import ScheduledBatch, Scheduler
+from ringserve.engine.sequence import PENDING_TOKEN, Sequence
 from ringserve.errors import ModelLoadError, RequestError, RequestTooLargeError
 from ringserve.gguf_import import builtin_model_path, converted_folder
 from ringserve.options import EngineOptions
@@ -61,6 +62,34 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device 'cuda' was asked for, but PyTorch sees no CUDA GPU")
     return device
+
+
+@dataclass
+class _LaunchedStep:
+    """A step on its way through the device: its tokens are sampled there and read later."""
+
+    batch: ScheduledBatch
+    sampling: list[Sequence]  # the sequences that sample, in the order of `tokens`
+    tokens: torch.Tensor  # [S] int64 on the device
+    logprobs: _StepLogprobs | None  # when a row asks for logprobs
+    row_of: dict[str, int] = field(init=False)  # request id -> its row of `tokens`
+    _host: torch.Tensor = field(init=False)  # [S] int64, the tokens' copy on the host
+    _ready: torch.cuda.Event | None = field(init=False)
+
+    def __post_init__(self):
+        self.row_of = {seq.request_id: i for i, seq in enumerate(self.sampling)}
+        if self.tokens.is_cuda:  # start the copy now; read_tokens waits for it alone
+            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self._host.copy_(self.tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = self.tokens, None
+
+    def read_tokens(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
 
 
 class LLMEngine:
@@ -158,8 +187,12 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits are not)
         self.cp_steps: collections.Counter[str] = collections.Counter()  # steps per ring that ran
+        self.async_scheduling = options.resolved_async_scheduling(self.device)
+        self._inflight: _LaunchedStep | None = None  # launched, its tokens not read yet
+        self._undelivered: list[RequestOutput] = []  # read by a step that then raised
+        self.steps_scheduled_ahead = 0  # steps launched before the previous one's tokens were read
         logger.info(
-            "model %s (%s) on %s in %s, tp=%d cp=%d; KV cache %d blocks of %d tokens",
+            "model %s (%s) on %s in %s, tp=%d cp=%d; KV cache %d blocks of %d tokens; async scheduling %s",
             self.model_path,
             config.architecture,
             self.device,
@@ -168,6 +201,7 @@ class LLMEngine:
             parallel.cp,
             num_blocks,
             ec.block_size,
+            "on" if self.async_scheduling else "off",
         )
 
     # Requests -------------------------------------------------------------------------
@@ -240,38 +274,100 @@ class LLMEngine:
             seq.finish_reason = "abort"
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests not finished, or a launched step whose tokens are not read yet."""
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # Stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One forward pass over the scheduled tokens; an output per sequence that sampled."""
+        """One forward pass over the scheduled tokens; an output per sequence that sampled.
+
+        With async scheduling the step's tokens are read one call later: the next step is
+        scheduled and launched while this one runs on the device, so the host's work (the
+        scheduler, the step message, detokenizing, the outputs) hides behind the device's.
+        The next step counts each sequence's pending token (a placeholder the device fills
+        in) and skips a sequence whose pending token reaches its length limit; one that ends
+        on a stop token or string has had one token computed past its end, which is dropped.
+        """
+        outputs, self._undelivered = self._undelivered, []
+        inflight = self._inflight
         try:
             batch = self.scheduler.schedule()
         except RequestTooLargeError as e:  # that request alone fails; the others go on
             self.seqs.pop(e.request_id, None)
             self.detokenizers.pop(e.request_id, None)
+            self._undelivered = outputs
             raise
         if not batch:
-            return []
+            if inflight is not None:
+                outputs += self._finish_step(inflight)
+                self._inflight = None
+            return outputs
+        launched = self._launch(batch, inflight)
+        if inflight is not None:
+            self.steps_scheduled_ahead += 1
+            outputs += self._finish_step(inflight)
+        self._commit(launched)
+        if self.async_scheduling:
+            self._inflight = launched
+        else:
+            self._inflight = None
+            outputs += self._finish_step(launched)
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, inflight: _LaunchedStep | None) -> _LaunchedStep:
+        """Send a step to the device and sample it there; nothing waits for the device."""
         step = StepInput.from_batch(batch)
         if self.parallel.cp > 1:
             step.cp_algo = self._choose_cp_algo(batch)
             self.cp_steps[step.cp_algo] += 1
-        logits = self.executor.execute(step)
+        pending_tokens = None
+        if inflight is not None:
+            # A sequence's last token may still be on the device, sampled by `inflight`.
+            flat = 0
+            for seq, tokens in zip(batch.seqs, step.token_ids):
+                flat += len(tokens)
+                if tokens[-1] == PENDING_TOKEN:
+                    step.pending.append((flat - 1, inflight.row_of[seq.request_id]))
+            pending_tokens = inflight.tokens if step.pending else None
+        logits = self.executor.execute(step, pending_tokens=pending_tokens)
+        sampling = [
+            seq
+            for seq, n in zip(batch.seqs, batch.num_tokens)
+            if seq.num_computed_tokens + n == seq.num_tokens
+        ]
+        tokens = sample_on_device(logits, sampling)
+        return _LaunchedStep(batch, sampling, tokens, _StepLogprobs.compute(logits, sampling, tokens))
+
+    def _commit(self, launched: _LaunchedStep) -> None:
+        """The host's record of a launched step: computed tokens, full blocks offered to the
+        prefix cache, and a placeholder for each token sampled but not read yet."""
+        batch = launched.batch
         self.num_computed_tokens += sum(batch.num_tokens)
-        sampling = []
         for seq, n in zip(batch.seqs, batch.num_tokens):
+            if seq.finished:  # ended (stop, abort) while this step was being launched
+                continue
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                sampling.append(seq)
+        for seq in launched.sampling:
+            if not seq.finished:
+                seq.output_token_ids.append(PENDING_TOKEN)
+                # Its length limit ends it when this token is read: no step computes past it.
+                seq.ends_when_read = self._at_length_limit(seq)
+
+    def _finish_step(self, launched: _LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's tokens (the one host sync of a step) and make its outputs."""
+        tokens = launched.read_tokens()
+        logprobs = (
+            launched.logprobs.read(launched.sampling, tokens) if launched.logprobs is not None else None
+        )
         now = time.monotonic()
         outputs = []
-        tokens = sample(logits, sampling)
-        logprobs = _logprobs(logits, sampling, tokens)
-        for i, (seq, token) in enumerate(zip(sampling, tokens)):
-            seq.output_token_ids.append(token)
+        for i, (seq, token) in enumerate(zip(launched.sampling, tokens)):
+            if seq.finished:  # ended while its step ran: the token computed past its end is dropped
+                continue
+            assert seq.output_token_ids[-1] == PENDING_TOKEN
+            seq.output_token_ids[-1] = token
             if seq.first_token_time is None:
                 seq.first_token_time = now
             detok = self.detokenizers.get(seq.request_id)
@@ -317,8 +413,11 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif self._at_length_limit(seq):
             seq.finish_reason = "length"
+
+    def _at_length_limit(self, seq: Sequence) -> bool:
+        return len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         detok = self.detokenizers.get(seq.request_id)
@@ -353,23 +452,39 @@ class LLMEngine:
             torch.cuda.empty_cache()
 
 
-def _logprobs(
-    logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]
-) -> list[TokenLogprob | None] | None:
-    """Per row, the chosen token's log-probability and the top-N, for the rows that asked."""
-    rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
-    if not rows:
-        return None
-    k = min(max(seqs[i].params.logprobs for i in rows), logits.shape[-1])
-    lp = torch.log_softmax(logits[rows].float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=lp.device)[:, None])[:, 0].tolist()
-    top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    result: list[TokenLogprob | None] = [None] * len(seqs)
-    for j, i in enumerate(rows):
-        n = seqs[i].params.logprobs
-        result[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
-    return result
+@dataclass
+class _StepLogprobs:
+    """The logprobs a step's rows asked for, computed on the device and read with its tokens.
+    R = rows that asked, k = the most alternatives any of them asked for."""
+
+    rows: list[int]  # rows of the step's sampled tokens
+    chosen: torch.Tensor  # [R] float32: each row's chosen token's log-probability
+    top_values: torch.Tensor  # [R, k] float32, likeliest first
+    top_ids: torch.Tensor  # [R, k] int64
+
+    @classmethod
+    def compute(
+        cls, logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor
+    ) -> _StepLogprobs | None:
+        """logits [S, V] float32, tokens [S] int64 on the device; no host sync."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if not rows:
+            return None
+        k = min(max(seqs[i].params.logprobs for i in rows), logits.shape[-1])
+        index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+        chosen = lp.gather(1, tokens.index_select(0, index)[:, None])[:, 0]
+        top_values, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        return cls(rows, chosen, top_values, top_ids)
+
+    def read(self, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
+        """Per row of the step, the TokenLogprob its request asked for (None if none)."""
+        chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
+        result: list[TokenLogprob | None] = [None] * len(seqs)
+        for j, i in enumerate(self.rows):
+            n = seqs[i].params.logprobs
+            result[i] = TokenLogprob(tokens[i], chosen[j], list(zip(ids[j][:n], values[j][:n])))
+        return result
 
 
 def _load_tokenizer(folder: str):

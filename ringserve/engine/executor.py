@@ -80,8 +80,10 @@ class LocalExecutor:
         self.worker = spec.build_worker(ParallelGroups.single(device), show_progress, weights)
         self.num_blocks = self.worker.num_blocks
 
-    def execute(self, step: StepInput, all_logits: bool = False) -> torch.Tensor:
-        return self.worker.execute(step, all_logits)
+    def execute(
+        self, step: StepInput, all_logits: bool = False, pending_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.worker.execute(step, all_logits, pending_tokens)
 
     def close(self) -> None:
         self.worker = None
@@ -192,7 +194,11 @@ class MultiprocessExecutor:
     def _send(self, message) -> None:
         broadcast_object(message, src=0, group=self.groups.control_group, timeout_s=self.spec.timeout_s)
 
-    def execute(self, step: StepInput, all_logits: bool = False) -> torch.Tensor:
+    def execute(
+        self, step: StepInput, all_logits: bool = False, pending_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if pending_tokens is not None:  # the other ranks could not see them
+            raise ValueError("tokens pending on the device (async scheduling) need one rank")
         if self.closed:
             raise WorkerError("the parallel workers have been shut down")
         try:

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ringserve.engine.step_state import fill_pending_tokens
 from ringserve.paged_attention import decode_splits
 
 logger = logging.getLogger(__name__)
@@ -88,8 +89,9 @@ class DecodeGraphs:
         self.inputs[:, first:b] = 0
         self.inputs[2, first:b] = self.runner.block_tables.pad_row
 
-    def run(self, step) -> torch.Tensor:
-        """Logits [B, V] of a decode step (block tables already updated)."""
+    def run(self, step, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, V] of a decode step (block tables already updated); pending_tokens:
+        the previous step's sampled ids, for the rows step.pending names."""
         n = len(step.rows)
         b = next(size for size in self.buckets if size >= n)
         host = torch.tensor(
@@ -103,6 +105,8 @@ class DecodeGraphs:
         )
         self.runner.host_elements += host.numel()
         self.inputs[:, :n].copy_(host, non_blocking=True)
+        if step.pending:
+            fill_pending_tokens(self.inputs[0], step.pending, pending_tokens)
         if b > n:
             self._fill_padding(b, n)
         if b in self.graphs:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -10,7 +10,7 @@ import torch.distributed as dist
 from ringserve.attention import VarlenBatch
 from ringserve.engine.kv_cache import KVCache, PagedAttentionContext, RingAttentionContext
 from ringserve.engine.scheduler import ScheduledBatch
-from ringserve.engine.step_state import BlockTables
+from ringserve.engine.step_state import BlockTables, fill_pending_tokens
 from ringserve.model import Transformer
 from ringserve.paged_attention import PagedBatch, decode_splits, tile_queries
 from ringserve.parallel.comm import all_gather_stacked
@@ -31,6 +31,9 @@ class StepInput:
     sample: list[bool]  # whether the sequence's last known token is among its new ones
     table_updates: list[tuple[int, int, list[int]]]  # (row, first column, new block ids)
     cp_algo: str = "pass_kv"  # the ring for this step under context parallelism
+    # (index among the step's new tokens, row of the previous step's sampled ids): tokens
+    # that were sampled on the device and not read by the host yet (async scheduling)
+    pending: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> StepInput:
@@ -105,11 +108,13 @@ class ModelRunner:
         self.block_tables.apply(step.table_updates)
         self.host_elements += sum(3 * len(blocks) for _, _, blocks in step.table_updates)
 
-    def prepare(self, step: StepInput):
+    def prepare(self, step: StepInput, pending_tokens: torch.Tensor | None = None):
         self._apply_table_updates(step)
         if self.cp_size > 1:
+            if step.pending:
+                raise ValueError("tokens pending on the device (async scheduling) need one rank")
             return self._prepare_cp(step)
-        return self._prepare_local(step)
+        return self._prepare_local(step, pending_tokens)
 
     def _prepare_cp(self, step: StepInput):
         """This rank's new tokens and keys, and the ring that joins them to the others'."""
@@ -144,7 +149,7 @@ class ModelRunner:
         local_rows = self._rows.local_sample_rows(self.cp_rank)
         return all_ids[mine].to(dev), positions.to(dev), ctx, local_rows.to(dev)
 
-    def _prepare_local(self, step: StepInput):
+    def _prepare_local(self, step: StepInput, pending_tokens: torch.Tensor | None):
         """Per new token: id, position, row; per sequence: row, query bounds, length. One
         copy to the device; slots and attention metadata are derived there."""
         q_lens = [len(t) for t in step.token_ids]
@@ -184,6 +189,8 @@ class ModelRunner:
         ids, pos, token_rows_d, sample_d, small = dev.split(
             [t, t, t, len(sample_rows), dev.numel() - 3 * t - len(sample_rows)]
         )
+        if step.pending:
+            fill_pending_tokens(ids, step.pending, pending_tokens)
         small = small.to(torch.int32)
         seq_rows_d, cu_q_d, seq_lens_d, tiles = small.split([b, b + 1, b, small.numel() - 3 * b - 1])
         slots = self._slots(token_rows_d, pos)
@@ -251,13 +258,16 @@ class ModelRunner:
         return self._gather_vocab(self.model.compute_logits(hidden))
 
     @torch.inference_mode()
-    def forward(self, step: StepInput, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, step: StepInput, all_logits: bool = False, pending_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits [S, V] float32 of the sequences that sample this step (all_logits: [T, V]
-        for every new token, for checks and scoring)."""
+        for every new token, for checks and scoring). pending_tokens: the previous step's
+        sampled ids [S'] on the device, which step.pending points into."""
         if self.graphs is not None and not all_logits and step.is_decode and self.graphs.fits(step):
             self._apply_table_updates(step)
-            return self.graphs.run(step)
-        input_ids, positions, ctx, sample_rows = self.prepare(step)
+            return self.graphs.run(step, pending_tokens)
+        input_ids, positions, ctx, sample_rows = self.prepare(step, pending_tokens)
         hidden = self.model(input_ids, positions, ctx)
         logits = self._gather_vocab(self.model.compute_logits(hidden if all_logits else hidden[sample_rows]))
         if self.cp_size > 1:

@@ -73,8 +73,8 @@ class SamplingTensors:
             )
             floats.append((1.0 if greedy else p.temperature, top_p))
             ints.append((int(greedy), top_k, key, key2))
-        f = torch.tensor(floats, dtype=torch.float32).reshape(-1, 2).to(device)
-        i = torch.tensor(ints, dtype=torch.int64).reshape(-1, 4).to(device)
+        f = torch.tensor(floats, dtype=torch.float32).reshape(-1, 2).to(device, non_blocking=True)
+        i = torch.tensor(ints, dtype=torch.int64).reshape(-1, 4).to(device, non_blocking=True)
         return cls(
             temperature=f[:, 0],
             greedy=i[:, 0].bool(),
@@ -204,9 +204,15 @@ def sample_tokens(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return torch.where(t.greedy, greedy, scores.argmax(dim=-1))
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits [S, V] float32, one row per sequence -> the chosen token ids (one host transfer)."""
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits [S, V] float32, one row per sequence -> the chosen ids [S] int64 on the device;
+    nothing waits for the device."""
     if all(seq.params.greedy for seq in seqs):  # the common decode batch: no per-row tensors to build
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
     tensors = SamplingTensors.from_seqs(seqs, logits.device, logits.shape[-1])
-    return sample_tokens(logits, tensors).tolist()
+    return sample_tokens(logits, tensors)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """The chosen token ids on the host (one transfer)."""
+    return sample_on_device(logits, seqs).tolist()

@@ -83,6 +83,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
+            if seq.ends_when_read:  # its last token is on the device and ends it: nothing to compute
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate(seq, n):
                 victim = self.running[-1]

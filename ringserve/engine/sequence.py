@@ -17,6 +17,11 @@ def _draw_seed(params: SamplingParams) -> int:
     return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
 
 
+# Stands in a sequence's token list for a token sampled on the device but not read yet
+# (async scheduling); the next step takes the real id from the device.
+PENDING_TOKEN = -1
+
+
 class Status(enum.Enum):
     WAITING = "waiting"  # no KV in the cache (new, or preempted to be recomputed)
     RUNNING = "running"
@@ -38,6 +43,7 @@ class Sequence:
         self.row: int | None = None  # its row of the runners' step state while running
         self.num_synced_blocks = 0  # leading blocks of block_table the runners already hold
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.ends_when_read = False  # its pending token (async scheduling) reaches its length limit
         self.num_prefix_cached_tokens = 0  # of those, found in the prefix cache
         self.block_hashes: list[int] = []  # prefix-cache hash of each full block of tokens
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache

@@ -37,3 +37,10 @@ class BlockTables:
                 self.host[row][col:] = new
         index = torch.tensor([rows, cols, blocks], dtype=torch.int64).to(self.device, non_blocking=True)
         self.tables[index[0], index[1]] = index[2].to(torch.int32)
+
+
+def fill_pending_tokens(ids: torch.Tensor, pending: list[tuple[int, int]], sampled: torch.Tensor) -> None:
+    """ids [T] int64 on the device: put the previous step's sampled ids (sampled [S']) where
+    the host had placeholders, pending = [(index in ids, row of sampled)]. No host sync."""
+    index = torch.tensor(pending, dtype=torch.int64).to(ids.device, non_blocking=True)  # [P, 2]
+    ids.index_copy_(0, index[:, 0], sampled.index_select(0, index[:, 1]))

@@ -131,5 +131,7 @@ class Worker:
             )
         return num_blocks
 
-    def execute(self, step: StepInput, all_logits: bool = False) -> torch.Tensor:
-        return self.runner.forward(step, all_logits)
+    def execute(
+        self, step: StepInput, all_logits: bool = False, pending_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.runner.forward(step, all_logits, pending_tokens)

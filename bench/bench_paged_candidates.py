@@ -22,8 +22,9 @@ Candidates, each reading the same cache through the same block tables:
 Layout (ringserve/engine/kv_cache.py): k and v [(num_blocks + 1) * block_size, NKV, D], token
 t of a sequence in slot table[t // block_size] * block_size + t % block_size; block size the
 engine's default. One cache, sized for the largest case, serves every case; each case draws
-its blocks shuffled from it (no sequence's pages are adjacent). Decode shapes: Llama-3-8B
-heads (32 query, 8 KV, head_dim 128), one query per sequence, bf16.
+its blocks from it in random order (a sequence's pages are scattered, as in a long-running
+engine). Decode shapes: Llama-3-8B heads (32 query, 8 KV, head_dim 128), one query per
+sequence, bf16.
 
 Per case, every candidate's output and LSE are checked against a float32 reference computed
 on a gathered copy of each context; a candidate outside bf16 tolerance is reported wrong

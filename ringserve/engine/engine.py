@@ -25,6 +25,7 @@ from ringserve.engine.executor import (
     run_torchrun_rank,
     torchrun_env,
 )
+from ringserve.engine.logprobs import token_logprobs
 from ringserve.engine.runner import StepInput
 from ringserve.engine.sampler import sample
 from ringserve.engine.scheduler import Scheduler
@@ -258,7 +259,10 @@ class LLMEngine:
         if self.parallel.cp > 1:
             step.cp_algo = self._choose_cp_algo(batch)
             self.cp_steps[step.cp_algo] += 1
-        logits = self.executor.execute(step)
+        logits = self.executor.execute(step)  # [S + R, V]: sampling rows, then scored rows
+        num_sampling = sum(step.sample)
+        if step.scored:
+            self._score_prompts(batch, step, logits[num_sampling:])
         self.num_computed_tokens += sum(batch.num_tokens)
         sampling = []
         for seq, n in zip(batch.seqs, batch.num_tokens):
@@ -266,9 +270,16 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 sampling.append(seq)
-        now = time.monotonic()
         outputs = []
-        tokens = sample(logits, sampling)
+        # max_tokens=0 (prompt logprobs only): done after the prefill, no token drawn.
+        if any(seq.params.max_tokens == 0 for seq in sampling):
+            keep = [i for i, seq in enumerate(sampling) if seq.params.max_tokens > 0]
+            for seq in sampling:
+                if seq.params.max_tokens == 0:
+                    outputs.append(self._finish_without_token(seq))
+            logits, sampling = logits[keep], [sampling[i] for i in keep]
+        now = time.monotonic()
+        tokens = sample(logits[: len(sampling)], sampling)
         logprobs = _logprobs(logits, sampling, tokens)
         for i, (seq, token) in enumerate(zip(sampling, tokens)):
             seq.output_token_ids.append(token)
@@ -288,6 +299,24 @@ class LLMEngine:
                 self.seqs.pop(seq.request_id, None)
                 self.detokenizers.pop(seq.request_id, None)
         return outputs
+
+    def _score_prompts(self, batch, step: StepInput, logits: torch.Tensor) -> None:
+        """logits [R, V] of step.scored's rows -> each row scores the prompt token after it."""
+        targets, num_top = [], []
+        for i, first, count in step.scored:
+            seq, position = batch.seqs[i], step.starts[i] + first
+            targets += seq.prompt_token_ids[position + 1 : position + 1 + count]
+            num_top += [seq.params.prompt_logprobs] * count
+        scored = iter(token_logprobs(logits, targets, num_top))
+        for i, _, count in step.scored:
+            batch.seqs[i].prompt_logprobs.extend(itertools.islice(scored, count))
+
+    def _finish_without_token(self, seq: Sequence) -> RequestOutput:
+        seq.finish_reason = "length"
+        self.scheduler.finish(seq)
+        self.seqs.pop(seq.request_id, None)
+        self.detokenizers.pop(seq.request_id, None)
+        return self._output(seq, [])
 
     def _choose_cp_algo(self, batch) -> str:
         if self.cp_algo != "auto":
@@ -335,6 +364,7 @@ class LLMEngine:
             new_token_ids=new_tokens,
             num_cached_tokens=seq.num_prefix_cached_tokens,
             time_to_first_token=(seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
+            prompt_logprobs=seq.prompt_logprobs,
         )
 
     # Statistics -----------------------------------------------------------------------
@@ -360,15 +390,10 @@ def _logprobs(
     rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
     if not rows:
         return None
-    k = min(max(seqs[i].params.logprobs for i in rows), logits.shape[-1])
-    lp = torch.log_softmax(logits[rows].float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=lp.device)[:, None])[:, 0].tolist()
-    top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    chosen = token_logprobs(logits[rows], [tokens[i] for i in rows], [seqs[i].params.logprobs for i in rows])
     result: list[TokenLogprob | None] = [None] * len(seqs)
-    for j, i in enumerate(rows):
-        n = seqs[i].params.logprobs
-        result[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
+    for i, lp in zip(rows, chosen):
+        result[i] = lp
     return result
 
 

@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TokenLogprob:
-    """A generated token's log-probability and the likeliest alternatives at its position."""
+    """A token's log-probability and the likeliest alternatives at its position."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, log-probability), likeliest first
+    rank: int | None = None  # 1 + the number of tokens likelier than this one (vLLM's rank)
 
 
 @dataclass
@@ -29,3 +30,6 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     time_to_first_token: float | None = None  # seconds from arrival to the first token
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, when params.logprobs is set
+    # One per prompt token when params.prompt_logprobs is set, as vLLM: None for the first
+    # (nothing precedes it), then each token's log-probability given the tokens before it.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

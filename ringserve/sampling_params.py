@@ -9,7 +9,7 @@ from ringserve.errors import RequestError
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16  # new tokens at most
+    max_tokens: int = 16  # new tokens at most; 0: only the prefill (e.g. for prompt_logprobs)
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # keep the k likeliest tokens; 0 or -1: all
@@ -22,13 +22,17 @@ class SamplingParams:
     # pairs, from the model's raw distribution (before temperature, top-k, top-p), as vLLM.
     # None: none computed (no cost).
     logprobs: int | None = None
+    # Per prompt token (the first has None): its log-probability given the tokens before it
+    # and the N likeliest there, as vLLM. Such a request computes its whole prompt (no
+    # prefix-cache hit: cached tokens have no logits). None: none computed.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise RequestError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if self.temperature < 0:
             raise RequestError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -41,6 +45,9 @@ class SamplingParams:
             raise RequestError(f"seed must be an integer, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise RequestError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        n = self.prompt_logprobs
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise RequestError(f"prompt_logprobs must be an integer >= 0, got {n!r}")
 
     @property
     def greedy(self) -> bool:

@@ -53,7 +53,14 @@ def run(folder, requests, async_scheduling, abort_at=None, **kw):
         results.append(
             None
             if out is None
-            else (out.token_ids, out.text, out.finish_reason, out.stop_reason, logprobs[rid])
+            else (
+                out.token_ids,
+                out.text,
+                out.finish_reason,
+                out.stop_reason,
+                logprobs[rid],
+                out.prompt_logprobs,
+            )
         )
     return results, counters
 
@@ -68,6 +75,7 @@ def mixed_requests(eos_token):
         # Ends on a stop token the greedy run reaches mid-way (found below, per model).
         (prompts[4], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[eos_token])),
         (prompts[5], SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, logprobs=3)),
+        (prompts[1], SamplingParams(max_tokens=0, prompt_logprobs=2)),  # scores the prompt, no token
     ]
 
 

@@ -213,7 +213,7 @@ def test_bad_requests(llama):
             llm.generate([[1, 2, 100000]], GREEDY)
         with pytest.raises(RequestError, match="no tokenizer"):
             llm.generate(["text for a model without a tokenizer"], GREEDY)
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(top_k=-5)):
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=-1), dict(top_k=-5)):
         with pytest.raises(RequestError):
             SamplingParams(**bad)
 

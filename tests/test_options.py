@@ -243,7 +243,12 @@ def test_invalid_option_is_a_value_error_naming_it(name, value):
         LLM("/nonexistent/model" if name != "model" else value, **({} if name == "model" else {name: value}))
 
 
-BOOLS = ("enable_prefix_caching", "enforce_eager", "async_scheduling", "show_progress")  # flags without a value
+BOOLS = (
+    "enable_prefix_caching",
+    "enforce_eager",
+    "async_scheduling",
+    "show_progress",
+)  # flags without a value
 
 
 @pytest.mark.parametrize("name, value", [(n, v) for n, v in INVALID_CASES if n not in BOOLS])

@@ -196,7 +196,7 @@ def test_logprobs(live):
         assert top[tok] == pytest.approx(value)
     # the first token's logprob is log_softmax of the prompt's last logits
     ids = live.engine.tokenize("The capital of France is")
-    ref = _reference_logprobs(live.engine, ids)
+    ref = _reference_logprobs(live.engine, ids)[-1]
     first = ref.topk(3)
     assert lp.token_logprobs[0] == pytest.approx(first.values[0].item(), abs=1e-4)
 
@@ -221,11 +221,12 @@ def test_logprobs(live):
 
 
 def _reference_logprobs(engine, ids):
+    """transformers' log_softmax [len(ids), V] of the next token at every position."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, -1]
+        logits = model(torch.tensor([ids])).logits[0]
     return torch.log_softmax(logits, -1)
 
 
@@ -235,8 +236,75 @@ def test_echo(live):
     assert out.choices[0].text == prompt + _alone(live, prompt, 4)
     zero = live.client.completions.create(model=NAME, prompt=prompt, max_tokens=0, echo=True)
     assert zero.choices[0].text == prompt and zero.usage.completion_tokens == 0
-    with pytest.raises(openai.BadRequestError, match="prompt's logprobs"):
-        live.client.completions.create(model=NAME, prompt=prompt, max_tokens=2, echo=True, logprobs=1)
+    assert zero.choices[0].logprobs is None
+
+
+def _offsets(tokens):
+    return [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def _token_text(live, token_id):
+    return live.engine.tokenizer.decode([token_id])
+
+
+def test_echo_with_logprobs_scores_the_prompt(live):
+    """What eval harnesses send (lm-evaluation-harness local-completions): echo, logprobs=1,
+    max_tokens 0 (or 1); the prompt's logprobs equal transformers' log_softmax."""
+    prompt = "The capital of France is a city that"
+    ids = live.engine.tokenize(prompt)
+    ref = _reference_logprobs(live.engine, ids)[:-1]  # [len - 1, V]: position i scores ids[i + 1]
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    best_values, best_ids = ref.max(-1)
+    texts = [_token_text(live, i) for i in ids]
+    for form in (prompt, ids):
+        out = live.client.completions.create(model=NAME, prompt=form, echo=True, max_tokens=0, logprobs=1)
+        choice, lp = out.choices[0], out.choices[0].logprobs
+        assert choice.text == prompt and choice.finish_reason == "length"
+        assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+        assert lp.tokens == texts and lp.text_offset == _offsets(texts)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+        assert [list(top) for top in lp.top_logprobs[1:]] == [
+            [_token_text(live, i)] for i in best_ids.tolist()
+        ]
+        assert [v for top in lp.top_logprobs[1:] for v in top.values()] == pytest.approx(
+            best_values.tolist(), abs=1e-4
+        )
+    # With generated tokens (lm-eval sends max_tokens=1): the prompt's entries, then the
+    # generated ones as a plain logprobs request gives them; streamed chunks add up to it.
+    kw = dict(model=NAME, prompt=prompt, max_tokens=2, temperature=0, logprobs=1)
+    plain = live.client.completions.create(**kw).choices[0]
+    both = live.client.completions.create(echo=True, **kw).choices[0]
+    assert both.text == prompt + plain.text
+    assert both.logprobs.tokens == texts + plain.logprobs.tokens
+    assert both.logprobs.token_logprobs[1:] == pytest.approx(
+        lp.token_logprobs[1:] + plain.logprobs.token_logprobs, abs=1e-5
+    )
+    assert both.logprobs.text_offset == _offsets(both.logprobs.tokens)
+    chunks = [c.choices[0] for c in live.client.completions.create(echo=True, stream=True, **kw) if c.choices]
+    assert "".join(c.text for c in chunks) == both.text
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert sum((getattr(c.logprobs, name) for c in chunks), []) == getattr(both.logprobs, name)
+
+
+def test_vllm_prompt_logprobs_field(live):
+    prompt = "One, two, three, four"
+    ids = live.engine.tokenize(prompt)
+    ref = _reference_logprobs(live.engine, ids)[:-1]
+    out = live.client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    entries = out.choices[0].model_extra["prompt_logprobs"]
+    assert out.choices[0].logprobs is None and len(entries) == len(ids) and entries[0] is None
+    for i, entry in enumerate(entries[1:]):
+        token = entry[str(ids[i + 1])]
+        assert token["logprob"] == pytest.approx(ref[i, ids[i + 1]].item(), abs=1e-4)
+        assert token["rank"] == int((ref[i] > ref[i, ids[i + 1]]).sum()) + 1
+        assert token["decoded_token"] == _token_text(live, ids[i + 1])
+        values, top = ref[i].topk(2)
+        for rank, (t, v) in enumerate(zip(top.tolist(), values.tolist()), start=1):
+            assert entry[str(t)]["rank"] == rank and entry[str(t)]["logprob"] == pytest.approx(v, abs=1e-4)
+        assert len(entry) == len({*top.tolist(), ids[i + 1]})
 
 
 # Concurrency, disconnects, overload ---------------------------------------------------------
@@ -318,6 +386,8 @@ BAD = [
     ({"prompt": "Hi", "logprobs": 1000}, 400, "logprobs"),
     ({"prompt": "Hi", "seed": 10**30}, 400, "seed"),
     ({"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "Hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ({"prompt": "Hi", "echo": True, "logprobs": 21}, 400, "logprobs"),
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": [5, 49152]}, 400, "prompt"),

@@ -26,6 +26,7 @@ from ringserve.engine.executor import (
     run_torchrun_rank,
     torchrun_env,
 )
+from ringserve.engine.logprobs import DeviceLogprobs, token_logprobs
 from ringserve.engine.runner import StepInput
 from ringserve.engine.sampler import sample_on_device
 from ringserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -71,7 +72,9 @@ class _LaunchedStep:
     batch: ScheduledBatch
     sampling: list[Sequence]  # the sequences that sample, in the order of `tokens`
     tokens: torch.Tensor  # [S] int64 on the device
-    logprobs: _StepLogprobs | None  # when a row asks for logprobs
+    # (rows of `tokens` whose request asked for logprobs, their logprobs on the device)
+    logprobs: tuple[list[int], DeviceLogprobs] | None
+    no_token: list[Sequence]  # max_tokens=0: end after this step's prefill without a token
     row_of: dict[str, int] = field(init=False)  # request id -> its row of `tokens`
     _host: torch.Tensor = field(init=False)  # [S] int64, the tokens' copy on the host
     _ready: torch.cuda.Event | None = field(init=False)
@@ -90,6 +93,16 @@ class _LaunchedStep:
         if self._ready is not None:
             self._ready.synchronize()
         return self._host.tolist()
+
+    def read_logprobs(self) -> list[TokenLogprob | None] | None:
+        """Per row of `tokens`, the logprobs its request asked for (None: none asked)."""
+        if self.logprobs is None:
+            return None
+        rows, device_logprobs = self.logprobs
+        result: list[TokenLogprob | None] = [None] * len(self.sampling)
+        for row, lp in zip(rows, device_logprobs.read()):
+            result[row] = lp
+        return result
 
 
 class LLMEngine:
@@ -307,7 +320,7 @@ class LLMEngine:
         if inflight is not None:
             self.steps_scheduled_ahead += 1
             outputs += self._finish_step(inflight)
-        self._commit(launched)
+        outputs += self._commit(launched)
         if self.async_scheduling:
             self._inflight = launched
         else:
@@ -330,18 +343,27 @@ class LLMEngine:
                 if tokens[-1] == PENDING_TOKEN:
                     step.pending.append((flat - 1, inflight.row_of[seq.request_id]))
             pending_tokens = inflight.tokens if step.pending else None
-        logits = self.executor.execute(step, pending_tokens=pending_tokens)
+        logits = self.executor.execute(step, pending_tokens=pending_tokens)  # [S + R, V]
+        num_sampling = sum(step.sample)
+        if step.scored:  # prompt logprobs: the rows after the sampled ones (read now, rare)
+            self._score_prompts(batch, step, logits[num_sampling:])
         sampling = [
             seq
             for seq, n in zip(batch.seqs, batch.num_tokens)
             if seq.num_computed_tokens + n == seq.num_tokens
         ]
+        # max_tokens=0 (prompt logprobs only): done after the prefill, no token drawn.
+        keep = [i for i, seq in enumerate(sampling) if seq.params.max_tokens > 0]
+        no_token = [seq for seq in sampling if seq.params.max_tokens == 0]
+        logits = logits[:num_sampling] if not no_token else logits[keep]
+        sampling = [sampling[i] for i in keep]
         tokens = sample_on_device(logits, sampling)
-        return _LaunchedStep(batch, sampling, tokens, _StepLogprobs.compute(logits, sampling, tokens))
+        return _LaunchedStep(batch, sampling, tokens, _sampled_logprobs(logits, sampling, tokens), no_token)
 
-    def _commit(self, launched: _LaunchedStep) -> None:
+    def _commit(self, launched: _LaunchedStep) -> list[RequestOutput]:
         """The host's record of a launched step: computed tokens, full blocks offered to the
-        prefix cache, and a placeholder for each token sampled but not read yet."""
+        prefix cache, and a placeholder for each token sampled but not read yet. Returns the
+        outputs of requests that end without a token (max_tokens=0)."""
         batch = launched.batch
         self.num_computed_tokens += sum(batch.num_tokens)
         for seq, n in zip(batch.seqs, batch.num_tokens):
@@ -354,13 +376,12 @@ class LLMEngine:
                 seq.output_token_ids.append(PENDING_TOKEN)
                 # Its length limit ends it when this token is read: no step computes past it.
                 seq.ends_when_read = self._at_length_limit(seq)
+        return [self._finish_without_token(seq) for seq in launched.no_token if not seq.finished]
 
     def _finish_step(self, launched: _LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens (the one host sync of a step) and make its outputs."""
         tokens = launched.read_tokens()
-        logprobs = (
-            launched.logprobs.read(launched.sampling, tokens) if launched.logprobs is not None else None
-        )
+        logprobs = launched.read_logprobs()
         now = time.monotonic()
         outputs = []
         for i, (seq, token) in enumerate(zip(launched.sampling, tokens)):
@@ -384,6 +405,24 @@ class LLMEngine:
                 self.seqs.pop(seq.request_id, None)
                 self.detokenizers.pop(seq.request_id, None)
         return outputs
+
+    def _score_prompts(self, batch, step: StepInput, logits: torch.Tensor) -> None:
+        """logits [R, V] of step.scored's rows -> each row scores the prompt token after it."""
+        targets, num_top = [], []
+        for i, first, count in step.scored:
+            seq, position = batch.seqs[i], step.starts[i] + first
+            targets += seq.prompt_token_ids[position + 1 : position + 1 + count]
+            num_top += [seq.params.prompt_logprobs] * count
+        scored = iter(token_logprobs(logits, targets, num_top))
+        for i, _, count in step.scored:
+            batch.seqs[i].prompt_logprobs.extend(itertools.islice(scored, count))
+
+    def _finish_without_token(self, seq: Sequence) -> RequestOutput:
+        seq.finish_reason = "length"
+        self.scheduler.finish(seq)
+        self.seqs.pop(seq.request_id, None)
+        self.detokenizers.pop(seq.request_id, None)
+        return self._output(seq, [])
 
     def _choose_cp_algo(self, batch) -> str:
         if self.cp_algo != "auto":
@@ -434,6 +473,7 @@ class LLMEngine:
             new_token_ids=new_tokens,
             num_cached_tokens=seq.num_prefix_cached_tokens,
             time_to_first_token=(seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
+            prompt_logprobs=seq.prompt_logprobs,
         )
 
     # Statistics -----------------------------------------------------------------------
@@ -452,39 +492,17 @@ class LLMEngine:
             torch.cuda.empty_cache()
 
 
-@dataclass
-class _StepLogprobs:
-    """The logprobs a step's rows asked for, computed on the device and read with its tokens.
-    R = rows that asked, k = the most alternatives any of them asked for."""
-
-    rows: list[int]  # rows of the step's sampled tokens
-    chosen: torch.Tensor  # [R] float32: each row's chosen token's log-probability
-    top_values: torch.Tensor  # [R, k] float32, likeliest first
-    top_ids: torch.Tensor  # [R, k] int64
-
-    @classmethod
-    def compute(
-        cls, logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor
-    ) -> _StepLogprobs | None:
-        """logits [S, V] float32, tokens [S] int64 on the device; no host sync."""
-        rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        if not rows:
-            return None
-        k = min(max(seqs[i].params.logprobs for i in rows), logits.shape[-1])
-        index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-        lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-        chosen = lp.gather(1, tokens.index_select(0, index)[:, None])[:, 0]
-        top_values, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-        return cls(rows, chosen, top_values, top_ids)
-
-    def read(self, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
-        """Per row of the step, the TokenLogprob its request asked for (None if none)."""
-        chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
-        result: list[TokenLogprob | None] = [None] * len(seqs)
-        for j, i in enumerate(self.rows):
-            n = seqs[i].params.logprobs
-            result[i] = TokenLogprob(tokens[i], chosen[j], list(zip(ids[j][:n], values[j][:n])))
-        return result
+def _sampled_logprobs(
+    logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor
+) -> tuple[list[int], DeviceLogprobs] | None:
+    """For the rows whose request asked for logprobs: (those rows, their logprobs on the
+    device). logits [S, V], tokens [S] on the device; no host sync."""
+    rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    if not rows:
+        return None
+    index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+    num_top = [seqs[i].params.logprobs for i in rows]
+    return rows, DeviceLogprobs.compute(logits.index_select(0, index), tokens.index_select(0, index), num_top)
 
 
 def _load_tokenizer(folder: str):

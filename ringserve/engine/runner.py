@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,9 @@ class StepInput:
     sample: list[bool]  # whether the sequence's last known token is among its new ones
     table_updates: list[tuple[int, int, list[int]]]  # (row, first column, new block ids)
     cp_algo: str = "pass_kv"  # the ring for this step under context parallelism
+    # (sequence index in this step, first, count): new tokens whose logits score the prompt
+    # (prompt_logprobs), beyond the sampled ones; empty unless a request asked.
+    scored: list[tuple[int, int, int]] = field(default_factory=list)
     # (index among the step's new tokens, row of the previous step's sampled ids): tokens
     # that were sampled on the device and not read by the host yet (async scheduling)
     pending: list[tuple[int, int]] = field(default_factory=list)
@@ -38,8 +42,8 @@ class StepInput:
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> StepInput:
         """The step's message; marks each sequence's blocks as sent to the runners."""
-        rows, token_ids, starts, sample, updates = [], [], [], [], []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
+        rows, token_ids, starts, sample, updates, scored = [], [], [], [], [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start = seq.num_computed_tokens
             rows.append(seq.row)
             token_ids.append(seq.token_slice(start, start + n))
@@ -48,12 +52,26 @@ class StepInput:
             if len(seq.block_table) > seq.num_synced_blocks:
                 updates.append((seq.row, seq.num_synced_blocks, seq.block_table[seq.num_synced_blocks :]))
                 seq.num_synced_blocks = len(seq.block_table)
-        return cls(rows, token_ids, starts, sample, updates)
+            if seq.prompt_logprobs is not None:
+                first, count = seq.prompt_logits_wanted(start, n)
+                if count:
+                    scored.append((i, first, count))
+        return cls(rows, token_ids, starts, sample, updates, scored=scored)
 
     @property
     def is_decode(self) -> bool:
         """One new token per sequence, every one sampling: the shape CUDA graphs replay."""
-        return all(len(t) == 1 for t in self.token_ids) and all(self.sample)
+        return all(len(t) == 1 for t in self.token_ids) and all(self.sample) and not self.scored
+
+    def logit_rows(self) -> list[int]:
+        """Packed new-token rows whose logits the step returns: the last row of each sampling
+        sequence, then the scored rows (in `scored` order)."""
+        ends = list(itertools.accumulate(len(t) for t in self.token_ids))
+        rows = [end - 1 for end, sample in zip(ends, self.sample) if sample]
+        for i, first, count in self.scored:
+            begin = ends[i] - len(self.token_ids[i]) + first
+            rows += range(begin, begin + count)
+        return rows
 
 
 class ModelRunner:
@@ -133,9 +151,8 @@ class ModelRunner:
                 for slots, k_pos, q_pos in zip(share.k_slots, share.k_positions, share.q_positions)
             ]
         )
-        # Which packed new-token rows sample, and which rank computes each of them.
-        ends = torch.tensor(counts).cumsum(0) - 1
-        self._rows = _CPRows(owners, ends[torch.tensor(step.sample, dtype=torch.bool)], self.cp_size)
+        # Which packed new-token rows give logits, and which rank computes each of them.
+        self._rows = _CPRows(owners, torch.tensor(step.logit_rows(), dtype=torch.int64), self.cp_size)
         dev = self.device
         ring = RingAttention(self.cp_group, shares, step.cp_algo, self.scale, dev)
         ctx = RingAttentionContext(
@@ -146,7 +163,7 @@ class ModelRunner:
             local_slots=torch.cat(share.k_slots).to(dev),
             ring=ring,
         )
-        local_rows = self._rows.local_sample_rows(self.cp_rank)
+        local_rows = self._rows.local_logit_rows(self.cp_rank)
         return all_ids[mine].to(dev), positions.to(dev), ctx, local_rows.to(dev)
 
     def _prepare_local(self, step: StepInput, pending_tokens: torch.Tensor | None):
@@ -162,7 +179,7 @@ class ModelRunner:
         for row, start, n in zip(step.rows, step.starts, q_lens):
             positions += range(start, start + n)
             token_rows += [row] * n
-        sample_rows = [end - 1 for end, sample in zip(cu_q[1:], step.sample) if sample]
+        logit_rows = step.logit_rows()
         decode = all(n == 1 for n in q_lens)
         fresh = not any(step.starts)  # fresh prompts: their keys are this step's tokens
         qpt = tile_queries(self.num_heads, self.num_kv_heads, decode)
@@ -175,7 +192,7 @@ class ModelRunner:
             input_ids
             + positions
             + token_rows
-            + sample_rows
+            + logit_rows
             + step.rows
             + cu_q
             + seq_lens
@@ -186,8 +203,8 @@ class ModelRunner:
         self.host_elements += host.numel()
         dev = host.to(self.device, non_blocking=True)
         t, b = len(input_ids), len(q_lens)
-        ids, pos, token_rows_d, sample_d, small = dev.split(
-            [t, t, t, len(sample_rows), dev.numel() - 3 * t - len(sample_rows)]
+        ids, pos, token_rows_d, logit_rows_d, small = dev.split(
+            [t, t, t, len(logit_rows), dev.numel() - 3 * t - len(logit_rows)]
         )
         if step.pending:
             fill_pending_tokens(ids, step.pending, pending_tokens)
@@ -219,7 +236,7 @@ class ModelRunner:
                 seq_rows_d, cu_q_d, seq_lens_d, tile_seq_d, tile_q0_d, qpt, splits, cu_q, seq_lens, step.rows
             )
             ctx = self._context(slots, paged=paged)
-        return ids, pos, ctx, sample_d
+        return ids, pos, ctx, logit_rows_d
 
     def _slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Cache slot of each new token, from its row's block table (on the device)."""
@@ -261,15 +278,15 @@ class ModelRunner:
     def forward(
         self, step: StepInput, all_logits: bool = False, pending_tokens: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Logits [S, V] float32 of the sequences that sample this step (all_logits: [T, V]
-        for every new token, for checks and scoring). pending_tokens: the previous step's
-        sampled ids [S'] on the device, which step.pending points into."""
+        """Logits [S + R, V] float32: the S sequences that sample this step, then the R rows
+        of step.scored (all_logits: [T, V] for every new token, for checks). pending_tokens:
+        the previous step's sampled ids [S'] on the device, which step.pending points into."""
         if self.graphs is not None and not all_logits and step.is_decode and self.graphs.fits(step):
             self._apply_table_updates(step)
             return self.graphs.run(step, pending_tokens)
-        input_ids, positions, ctx, sample_rows = self.prepare(step, pending_tokens)
+        input_ids, positions, ctx, logit_rows = self.prepare(step, pending_tokens)
         hidden = self.model(input_ids, positions, ctx)
-        logits = self._gather_vocab(self.model.compute_logits(hidden if all_logits else hidden[sample_rows]))
+        logits = self._gather_vocab(self.model.compute_logits(hidden if all_logits else hidden[logit_rows]))
         if self.cp_size > 1:
             logits = self._rows.gather(logits, all_logits, self.cp_group, self.cp_rank)
         return logits
@@ -286,20 +303,20 @@ class ModelRunner:
 class _CPRows:
     """Which CP rank computes each new-token row of a step, to put gathered logits in order."""
 
-    def __init__(self, owners: torch.Tensor, sample_rows: torch.Tensor, cp_size: int):
+    def __init__(self, owners: torch.Tensor, logit_rows: torch.Tensor, cp_size: int):
         self.owners = owners  # [T] rank computing each packed new token
-        self.sample_rows = sample_rows  # packed rows whose logits are sampled
+        self.logit_rows = logit_rows  # [R] packed rows whose logits the step returns, in order
         self.cp_size = cp_size
 
-    def local_sample_rows(self, rank: int) -> torch.Tensor:
-        """Indices, among this rank's own tokens, of its sampled rows (in packed order)."""
+    def local_logit_rows(self, rank: int) -> torch.Tensor:
+        """Indices, among this rank's own tokens, of its logit rows (in logit_rows order)."""
         local_index = torch.cumsum(self.owners == rank, 0) - 1
-        rows = self.sample_rows[self.owners[self.sample_rows] == rank]
+        rows = self.logit_rows[self.owners[self.logit_rows] == rank]
         return local_index[rows]
 
     def gather(self, logits: torch.Tensor, all_rows: bool, group, rank: int) -> torch.Tensor:
-        """Every rank's rows -> [R, V] in packed order (sampled rows, or all new tokens)."""
-        rows = torch.arange(len(self.owners)) if all_rows else self.sample_rows
+        """Every rank's rows -> [R, V] in logit_rows order (or all new tokens in packed order)."""
+        rows = torch.arange(len(self.owners)) if all_rows else self.logit_rows
         row_owner = self.owners[rows]
         counts = [int((row_owner == r).sum()) for r in range(self.cp_size)]
         longest = max(counts)

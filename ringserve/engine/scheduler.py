@@ -100,7 +100,9 @@ class Scheduler:
         # take the blocks just freed and the preempted sequence could starve.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table:
+            # Cached tokens have no logits: a request that still wants its prompt's
+            # logprobs computes the whole prompt (its blocks still fill the cache).
+            if not seq.block_table and not seq.needs_prompt_logits:
                 self.block_manager.match_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.allocate(seq, n):

@@ -7,6 +7,7 @@ import itertools
 
 import torch
 
+from ringserve.outputs import TokenLogprob
 from ringserve.sampling_params import SamplingParams
 
 
@@ -53,6 +54,12 @@ class Sequence:
         # The request's sampling RNG key (with its step count): its own seed, or one drawn once
         # here from torch's global RNG, so no neighbour in a batch can change its draws.
         self.sampling_seed: int = params.seed if params.seed is not None else _draw_seed(params)
+        # With params.prompt_logprobs: each prompt token's log-probability, filled as the
+        # prefill chunks run (entry i comes from the logits at position i - 1; the first
+        # token has none). Positions already scored are not scored again after a preemption.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if params.prompt_logprobs is None else [None]
+        )
         self.arrival_time = 0.0
         self.first_token_time: float | None = None
 
@@ -66,6 +73,20 @@ class Sequence:
         if start >= prompt:
             return self.output_token_ids[start - prompt : end - prompt]
         return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - prompt)]
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether some prompt token still waits for its log-probability."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    def prompt_logits_wanted(self, start: int, n: int) -> tuple[int, int]:
+        """(first, count): which of the new tokens at positions start .. start + n - 1 give
+        logits that score a prompt token not scored yet (the token after each of them)."""
+        if not self.needs_prompt_logits:
+            return 0, 0
+        first = max(start, len(self.prompt_logprobs) - 1)
+        end = min(start + n, len(self.prompt_token_ids) - 1)
+        return first - start, max(0, end - first)
 
     @property
     def num_tokens(self) -> int:

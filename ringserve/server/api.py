@@ -90,7 +90,12 @@ class Server:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     def params(
-        self, body: P.SamplingFields, max_tokens: int, logprobs: int | None, index: int
+        self,
+        body: P.SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        index: int,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(body, name):
@@ -109,6 +114,7 @@ class Server:
                 stop_token_ids=list(body.stop_token_ids or []),
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         except RequestError as e:
             raise ApiError(400, str(e)) from None
@@ -139,12 +145,13 @@ class Server:
         self.check_model(body.model)
         if body.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
-        if body.echo and body.logprobs is not None:
+        # echo with logprobs scores the prompt too (what eval harnesses send); vLLM's
+        # prompt_logprobs asks for the same alone. The engine computes the larger top-N.
+        asked = [body.prompt_logprobs, body.logprobs if body.echo else None]
+        prompt_logprobs = max((k for k in asked if k is not None), default=None)
+        if body.max_tokens == 0 and not body.echo and body.prompt_logprobs is None:
             raise ApiError(
-                400,
-                "echo with logprobs needs the prompt's logprobs, which ringserve does not compute; "
-                "use echo or logprobs alone",
-                "echo",
+                400, "max_tokens must be at least 1 (0 only with echo or prompt_logprobs)", "max_tokens"
             )
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -169,53 +176,58 @@ class Server:
         request_id = P.random_id("cmpl")
         created = int(time.time())
         num_prompt_tokens = sum(len(ids) for ids in token_ids)
-        if body.max_tokens == 0:
-            if not body.echo:
-                raise ApiError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
-            return self.echo_only(body, request_id, created, texts, n, num_prompt_tokens)
         items = []
         for i, ids in enumerate(token_ids):
             max_tokens = self.max_tokens(body.max_tokens, len(ids))
             for j in range(n):
-                items.append(
-                    (f"{request_id}-{i * n + j}", ids, self.params(body, max_tokens, body.logprobs, j))
-                )
+                params = self.params(body, max_tokens, body.logprobs, j, prompt_logprobs)
+                items.append((f"{request_id}-{i * n + j}", ids, params))
         stream = self.submit(items)
         echo = [texts[k // n] if body.echo else "" for k in range(len(items))]
 
-        def logprobs_of(out: RequestOutput, offset: int) -> P.CompletionLogprobs | None:
-            if body.logprobs is None:
-                return None
-            lp = P.CompletionLogprobs()
-            for t in out.new_logprobs or []:
-                text = self.token_text(t.token_id)
-                lp.tokens.append(text)
-                lp.token_logprobs.append(t.logprob)
-                lp.top_logprobs.append({self.token_text(i): v for i, v in t.top})
-                lp.text_offset.append(offset)
-                offset += len(text)
-            return lp
+        def first_extras(out: RequestOutput) -> tuple[P.CompletionLogprobs | None, int, list | None]:
+            """A choice's logprobs of its echoed prompt (legacy shape) with the text offset
+            after them, and vLLM's prompt_logprobs."""
+            lp, offset = None, 0
+            if body.logprobs is not None:
+                lp = P.CompletionLogprobs()
+                if body.echo:
+                    offset = self.add_logprobs(
+                        lp, out.prompt_token_ids, out.prompt_logprobs, body.logprobs, 0
+                    )
+            vllm = None
+            if body.prompt_logprobs is not None:
+                vllm = self.vllm_prompt_logprobs(
+                    out.prompt_token_ids, out.prompt_logprobs, body.prompt_logprobs
+                )
+            return lp, offset, vllm
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def chunks() -> AsyncIterator[str]:
-                offsets = [len(e) for e in echo]
-                sent_echo = [False] * len(items)
+                started = [False] * len(items)
+                offsets = [0] * len(items)  # each choice's text offset after its listed tokens
                 completion_tokens = 0
                 async for index, out in self.async_engine.results(stream):
                     completion_tokens += len(out.new_token_ids)
-                    text = out.new_text
-                    if not sent_echo[index]:
-                        text, sent_echo[index] = echo[index] + text, True
-                    lp = logprobs_of(out, offsets[index])
-                    offsets[index] += sum(len(t) for t in lp.tokens) if lp else 0
+                    text, vllm = out.new_text, None
+                    lp = P.CompletionLogprobs() if body.logprobs is not None else None
+                    if not started[index]:
+                        started[index] = True
+                        text = echo[index] + text
+                        lp, offsets[index], vllm = first_extras(out)
+                    if lp is not None:
+                        offsets[index] = self.add_logprobs(
+                            lp, out.new_token_ids, out.new_logprobs, body.logprobs, offsets[index]
+                        )
                     choice = P.CompletionChoice(
                         index=index,
                         text=text,
                         logprobs=lp,
                         finish_reason=out.finish_reason if out.finished else None,
                         stop_reason=out.stop_reason,
+                        prompt_logprobs=vllm,
                     )
                     yield P.CompletionResponse(
                         id=request_id, created=created, model=self.model_name, choices=[choice]
@@ -235,9 +247,9 @@ class Server:
         completion_tokens = 0
         for index, (out, lps) in sorted(finals.items()):
             completion_tokens += len(out.token_ids)
-            lp = None
-            if body.logprobs is not None:
-                lp = logprobs_of(RequestOutput(**{**out.__dict__, "new_logprobs": lps}), len(echo[index]))
+            lp, offset, vllm = first_extras(out)
+            if lp is not None:
+                self.add_logprobs(lp, out.token_ids, lps, body.logprobs, offset)
             choices.append(
                 P.CompletionChoice(
                     index=index,
@@ -245,6 +257,7 @@ class Server:
                     logprobs=lp,
                     finish_reason=out.finish_reason,
                     stop_reason=out.stop_reason,
+                    prompt_logprobs=vllm,
                 )
             )
         return P.CompletionResponse(
@@ -255,28 +268,46 @@ class Server:
             usage=_usage(num_prompt_tokens, completion_tokens),
         )
 
-    def echo_only(self, body, request_id, created, texts, n, num_prompt_tokens):
-        choices = [
-            P.CompletionChoice(index=k, text=texts[k // n], finish_reason="length")
-            for k in range(len(texts) * n)
-        ]
-        usage = _usage(num_prompt_tokens, 0)
-        if not body.stream:
-            return P.CompletionResponse(
-                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
-            )
+    def add_logprobs(
+        self,
+        lp: P.CompletionLogprobs,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob | None] | None,
+        num_top: int,
+        offset: int,
+    ) -> int:
+        """Append tokens to a legacy completions logprobs object, the first at text offset
+        `offset`; returns the offset after them. Offsets count the characters of the tokens
+        listed before (from 0, echoed prompt tokens included, as vLLM). A None entry (the
+        first prompt token) has no logprob and no top_logprobs."""
+        for token_id, entry in zip(token_ids, logprobs or [None] * len(token_ids)):
+            text = self.token_text(token_id)
+            lp.tokens.append(text)
+            lp.token_logprobs.append(None if entry is None else entry.logprob)
+            top = None if entry is None else {self.token_text(i): v for i, v in entry.top[:num_top]}
+            lp.top_logprobs.append(top)
+            lp.text_offset.append(offset)
+            offset += len(text)
+        return offset
 
-        async def chunks():
-            for c in choices:
-                yield P.CompletionResponse(
-                    id=request_id, created=created, model=self.model_name, choices=[c]
-                ).model_dump_json()
-            if body.stream_options and body.stream_options.include_usage:
-                yield P.CompletionResponse(
-                    id=request_id, created=created, model=self.model_name, choices=[], usage=usage
-                ).model_dump_json()
-
-        return self.sse(None, chunks())
+    def vllm_prompt_logprobs(
+        self, token_ids: list[int], logprobs: list[TokenLogprob | None], num_top: int
+    ) -> list[dict[int, P.PromptLogprob] | None]:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: entry}
+        for the prompt token and the num_top likeliest."""
+        result = []
+        for token_id, entry in zip(token_ids, logprobs):
+            if entry is None:
+                result.append(None)
+                continue
+            ranked = {
+                i: P.PromptLogprob(logprob=v, rank=r + 1) for r, (i, v) in enumerate(entry.top[:num_top])
+            }
+            ranked.setdefault(token_id, P.PromptLogprob(logprob=entry.logprob, rank=entry.rank))
+            for i, e in ranked.items():
+                e.decoded_token = self.token_text(i)
+            result.append(ranked)
+        return result
 
     # Chat ------------------------------------------------------------------------------
 

@@ -91,10 +91,10 @@ def test_bench_chat_with_sharegpt_file(live, tmp_path):
         live,
         tmp_path,
         *("--endpoint", "chat", "--dataset-name", "sharegpt", "--dataset-path", str(data)),
-        *("--num-prompts", "2", "--sharegpt-output-len", "4", "--ignore-eos"),
+        *("--num-prompts", "2", "--sharegpt-output-len", "24", "--ignore-eos"),
     )
     assert code == 0 and result["completed"] == 2
-    assert result["output_lens"] == [4, 4]
+    assert result["output_lens"] == [24, 24]  # the French answer ends (EOS) at ~8 tokens without it
     tok = live.engine.tokenizer
     expected = sorted(
         len(
@@ -248,20 +248,33 @@ def test_sharegpt_file_loading(tmp_path):
         sharegpt_requests(str(path), None, 2, np.random.default_rng(0))
 
 
-def _stream_once(handler) -> object:
+def _stream_once(handler, endpoint="completions") -> RequestResult:
     async def go():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://x") as client:
-            body = {"stream": True}
-            return await send(client, "/v1/completions", "completions", body, SampleRequest([1, 2], 2, 3))
+            return await send(client, "/v1/x", endpoint, {"stream": True}, SampleRequest([1, 2], 2, 3))
 
     return asyncio.run(go())
 
 
-def test_stream_failures_are_results_not_exceptions():
-    def events(*chunks):
-        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
-        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+def events(*chunks):
+    """A 200 answer of server-sent events: the chunks, then [DONE]."""
+    text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
 
+
+def test_chat_stream_times_tokens_not_the_role_chunk():
+    usage = {"prompt_tokens": 9, "completion_tokens": 3}
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},  # OpenAI's opening
+        *({"choices": [{"index": 0, "delta": {"role": None, "content": t}}]} for t in ("Pa", "", "ris")),
+        {"choices": [], "usage": usage},
+    ]
+    r = _stream_once(lambda request: events(*chunks), endpoint="chat")
+    assert r.success and r.generated_text == "Paris" and (r.prompt_len, r.output_tokens) == (9, 3)
+    assert len(r.itl) == 2  # three tokens (one without text yet): two gaps; the role chunk is none
+
+
+def test_stream_failures_are_results_not_exceptions():
     ok = _stream_once(
         lambda request: events(
             {"choices": [{"index": 0, "text": "a"}]},

@@ -78,6 +78,7 @@ def _add_bench_serve_parser(bench_sub) -> None:
 
     bs = bench_sub.add_parser(
         "serve",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="benchmark a running OpenAI-compatible server (TTFT, TPOT, ITL, throughput)",
         description="Sends a dataset of prompts (random, ShareGPT, prefix-repetition) to a running "
         "server at a request rate and concurrency, streaming each answer, and prints throughput and "

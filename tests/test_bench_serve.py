@@ -19,6 +19,7 @@ from ringserve.benchmarks.compare import compare
 from ringserve.benchmarks.datasets import (
     PromptMaker,
     SampleRequest,
+    prefix_repetition_requests,
     random_requests,
     sample_lengths,
     sharegpt_requests,
@@ -149,6 +150,22 @@ def test_sweep_records_ttft_per_length_and_compares_by_cp(live, tmp_path, capsys
     assert len(rows) == 2 and all(row[-1] == "(80%)" for row in rows), out
     assert out.index("cp=1") < out.index("cp=2")  # sorted by cp
     assert plot.read_bytes()[:8] == PNG
+
+
+def test_prompts_have_exact_token_lengths(live):
+    tok = live.engine.tokenizer  # the built-in model's
+    text = PromptMaker(tok, np.random.default_rng(0), as_text=True)
+    for n in (1, 7, 50, 300):  # chat prompts: text that re-encodes to exactly n tokens
+        assert len(tok.encode(text.make(n)[0], add_special_tokens=False)) == n
+    ids = PromptMaker(tok, np.random.default_rng(0), as_text=False)
+    reqs = prefix_repetition_requests(ids, 9, prefix_len=12, suffix_len=5, num_prefixes=3, output_len=4)
+    assert all(len(r.prompt) == r.prompt_len == 17 and r.expected_output_len == 4 for r in reqs)
+    prefixes = [tuple(r.prompt[:12]) for r in reqs]
+    assert len(set(prefixes)) == 3 and all(prefixes.count(p) == 3 for p in prefixes)
+    assert len({tuple(r.prompt[12:]) for r in reqs}) == 9
+    special = {i for i, t in tok.added_tokens_decoder.items() if t.special}  # <|im_end|>, <file_sep>, ...
+    assert len(special) == 17
+    assert not special & set(ids.ids(20000))  # no EOS or chat markers inside a prompt
 
 
 # Pure functions -----------------------------------------------------------------------------

@@ -60,7 +60,8 @@ class PromptMaker:
     def __init__(self, tokenizer, rng: np.random.Generator, as_text: bool):
         self.tokenizer, self.rng, self.as_text = tokenizer, rng, as_text
         if tokenizer is not None:
-            special = set(tokenizer.all_special_ids)
+            special = set(tokenizer.all_special_ids)  # EOS, BOS, ... and the added markers:
+            special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
             # sample only ordinary tokens: no EOS or chat markers inside a prompt
             self.allowed = np.array([i for i in range(len(tokenizer)) if i not in special])
 

@@ -32,12 +32,17 @@ def _int_list(text: str) -> list[int]:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     where = parser.add_argument_group("server")
-    where.add_argument("--base-url", default=None, help="server root, e.g. http://10.0.0.2:8000")
+    where.add_argument("--base-url", default=None, help="server root, e.g. http://HOST:8000")
     where.add_argument("--host", default="127.0.0.1", help="server host, without --base-url")
     where.add_argument("--port", type=int, default=8000, help="server port, without --base-url")
     where.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY)")
     where.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
-    where.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    where.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="/v1/completions (random prompts as token ids) or /v1/chat/completions (text)",
+    )
     where.add_argument(
         "--tokenizer",
         default=None,
@@ -45,7 +50,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "is on this machine); without one, random prompts are common words, about one token each",
     )
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset-name", choices=("random", "sharegpt", "prefix-repetition"), default="random")
+    data.add_argument(
+        "--dataset-name",
+        type=lambda name: name.replace("_", "-"),  # vLLM spells it prefix_repetition
+        choices=("random", "sharegpt", "prefix-repetition"),
+        default="random",
+    )
     data.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (local)")
     data.add_argument("--num-prompts", type=int, default=1000)
     data.add_argument("--random-input-len", type=int, default=1024)

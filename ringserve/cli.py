@@ -83,7 +83,9 @@ def _add_bench_serve_parser(bench_sub) -> None:
         description="Sends a dataset of prompts (random, ShareGPT, prefix-repetition) to a running "
         "server at a request rate and concurrency, streaming each answer, and prints throughput and "
         "latency percentiles as `vllm bench serve` does. --sweep-input-lens measures TTFT per context "
-        "length one request at a time; --compare-results sets such sweeps side by side per cp degree.",
+        "length one request at a time; --compare-results sets such sweeps side by side per cp degree. "
+        "A failed request (an error answer, a broken stream) is counted and its message reported; "
+        "the exit status is 1 when none succeeded, 2 for a bad flag or an unreachable server.",
     )
     add_bench_serve_args(bs)
 

@@ -49,7 +49,7 @@ def test_bench_against_the_live_server_agrees_with_its_metrics(live, tmp_path, c
         live,
         tmp_path,
         *("--num-prompts", "6", "--random-input-len", "20", "--random-output-len", "5", "--ignore-eos"),
-        *("--max-concurrency", "3", "--request-rate", "50", "--seed", "3"),
+        *("--max-concurrency", "3", "--request-rate", "50", "--seed", "3", "--num-warmups", "1"),
         *("--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"),
         *("--plot", str(tmp_path / "latency.png")),
     )
@@ -60,12 +60,14 @@ def test_bench_against_the_live_server_agrees_with_its_metrics(live, tmp_path, c
     # token-id prompts: exactly the asked input lengths, as the server counted them
     assert result["input_lens"] == [20] * 6 and result["total_input_tokens"] == 120
     assert result["output_lens"] == [5] * 6 and result["total_output_tokens"] == 30  # --ignore-eos
-    assert moved["vllm:prompt_tokens_total"] == result["total_input_tokens"]
-    assert moved["vllm:generation_tokens_total"] == result["total_output_tokens"]
-    assert moved["vllm:e2e_request_latency_seconds_count"] == result["completed"]
+    # the server counted what the bench sent and got, and the warm-up (the first prompt once)
+    assert result["num_warmups"] == 1
+    assert moved["vllm:prompt_tokens_total"] == result["total_input_tokens"] + 20
+    assert moved["vllm:generation_tokens_total"] == result["total_output_tokens"] + 5
+    assert moved["vllm:e2e_request_latency_seconds_count"] == result["completed"] + 1
     # one chunk per token: the gaps the bench saw are the gaps the server counted
     assert [len(itl) for itl in result["itls"]] == [4] * 6
-    assert moved["vllm:inter_token_latency_seconds_count"] == 24
+    assert moved["vllm:inter_token_latency_seconds_count"] == 24 + 4
     for metric in ("ttft", "tpot", "itl", "e2el"):
         for stat in ("mean", "median", "std", "p50", "p90", "p99"):
             assert result[f"{stat}_{metric}_ms"] > 0

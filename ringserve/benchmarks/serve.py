@@ -295,16 +295,12 @@ def run(args) -> int:
     progress = not args.disable_tqdm
     now = datetime.datetime.now()
 
-    if args.num_warmups:
-        warm = datasets.PromptMaker(tokenizer, np.random.default_rng([args.seed, 2]), args.endpoint == "chat")
-        samples = datasets.random_requests(warm, args.num_warmups, args.random_input_len, 16)
-        asyncio.run(run_requests(server, args.endpoint, samples, max_concurrency=1))
-
     sweep = None
     if args.sweep_input_lens:
         sweep, results, duration = _sweep(args, server, tokenizer, rng, metrics, percentiles, progress)
     else:
         samples = make_requests(args, tokenizer, rng)
+        _warm_up(args, server, samples[0])
         results, duration = asyncio.run(
             run_requests(
                 server,
@@ -337,6 +333,7 @@ def run(args) -> int:
         "burstiness": args.burstiness,
         "max_concurrency": 1 if sweep else args.max_concurrency,
         "ignore_eos": args.ignore_eos,
+        "num_warmups": args.num_warmups,
         "seed": args.seed,
         "percentile_metrics": metrics,
         "metric_percentiles": percentiles,
@@ -359,6 +356,14 @@ def run(args) -> int:
     return 0 if summary["completed"] else 1
 
 
+def _warm_up(args, server: ServerInfo, sample: datasets.SampleRequest) -> None:
+    """--num-warmups: the first request sent that many times, one at a time, not measured (as
+    vLLM; the server's own metrics do count them)."""
+    if args.num_warmups:
+        warm = [sample] * args.num_warmups
+        asyncio.run(run_requests(server, args.endpoint, warm, ignore_eos=args.ignore_eos, max_concurrency=1))
+
+
 def _sweep(args, server, tokenizer, rng, metrics, percentiles, progress):
     """--sweep-input-lens: per length, requests of exactly that many tokens, one at a time."""
     maker = datasets.PromptMaker(tokenizer, rng, as_text=args.endpoint == "chat")
@@ -366,6 +371,8 @@ def _sweep(args, server, tokenizer, rng, metrics, percentiles, progress):
     sweep, results, duration = [], [], 0.0
     for length in args.sweep_input_lens:
         samples = datasets.random_requests(maker, args.sweep_num_prompts, length, args.random_output_len)
+        if not sweep:
+            _warm_up(args, server, samples[0])
         got, took = asyncio.run(
             run_requests(
                 server,

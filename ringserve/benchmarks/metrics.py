@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from ringserve.benchmarks.client import RequestResult
+if TYPE_CHECKING:
+    from ringserve.benchmarks.client import RequestResult
 
 TITLES = {
     "ttft": "Time to First Token",

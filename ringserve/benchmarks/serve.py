@@ -15,13 +15,16 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ringserve.benchmarks import BenchError, datasets
 from ringserve.benchmarks.arrivals import send_times
-from ringserve.benchmarks.client import RequestResult, request_body, send
 from ringserve.benchmarks.metrics import format_table, parse_goodput, summarize
+
+if TYPE_CHECKING:  # the HTTP client is imported when requests are sent, not for `ringserve --help`
+    from ringserve.benchmarks.client import RequestResult
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -193,6 +196,8 @@ async def run_requests(
     in the samples' order and the wall time from the first send to the last answer."""
     import httpx2 as httpx
     from tqdm import tqdm
+
+    from ringserve.benchmarks.client import request_body, send
 
     at = send_times(len(samples), request_rate, burstiness, rng or np.random.default_rng(0))
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None

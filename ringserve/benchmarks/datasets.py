@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import numpy as np
 
 # Words that are one token in the usual BPE vocabularies (with their leading space).
-WORDS = (
+WORDS = tuple(
     "the of and to in is that for it as was with be by on not he this are or his from at which "
     "but have an they you were her she there been one all we their has would when if so no "
     "will more out up into do any your what some can time only other new about could these may "
-    "first then like over such very after two most made also well back good where through"
-).split()
+    "first then like over such very after two most made also well back good where through".split()
+)
 
 
 @dataclass

@@ -69,7 +69,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--device", default="auto", help="cpu, cuda or auto")
     cal.add_argument("--no-save", action="store_true", help="print only")
+    _add_bench_serve_parser(bench_sub)
     return parser
+
+
+def _add_bench_serve_parser(bench_sub) -> None:
+    from ringserve.benchmarks.serve import add_cli_args as add_bench_serve_args
+
+    bs = bench_sub.add_parser(
+        "serve",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="benchmark a running OpenAI-compatible server (TTFT, TPOT, ITL, throughput)",
+        description="Sends a dataset of prompts (random, ShareGPT, prefix-repetition) to a running "
+        "server at a request rate and concurrency, streaming each answer, and prints throughput and "
+        "latency percentiles as `vllm bench serve` does. --sweep-input-lens measures TTFT per context "
+        "length one request at a time; --compare-results sets such sweeps side by side per cp degree. "
+        "A failed request (an error answer, a broken stream) is counted and its message reported; "
+        "the exit status is 1 when none succeeded, 2 for a bad flag or an unreachable server.",
+    )
+    add_bench_serve_args(bs)
 
 
 def _add_serve_parser(sub) -> None:
@@ -236,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "bench" and args.bench == "serve":
+        from ringserve.benchmarks.serve import main as bench_serve
+
+        return bench_serve(args)
     if args.command == "bench":
         import torch
 

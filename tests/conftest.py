@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -102,3 +106,70 @@ def hf_model(folder: str):
 @pytest.fixture(autouse=True)
 def _threads():
     torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+# A live OpenAI-compatible server on the built-in model (tests/test_server.py, test_bench_serve.py)
+
+KEY = "test-key"
+NAME = "smol"
+MAX_MODEL_LEN = 512
+MAX_WAITING = 96
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def live():
+    """A uvicorn server in a thread of this process (so tests can look at its engine), one per
+    test module; its API key is KEY and its model NAME."""
+    import httpx2 as httpx
+    import openai
+    import uvicorn
+
+    from ringserve.config import EngineConfig
+    from ringserve.engine.engine import LLMEngine
+    from ringserve.server import build_app
+
+    engine = LLMEngine(
+        None, device="cpu", dtype="float32", engine_config=EngineConfig(max_model_len=MAX_MODEL_LEN)
+    )
+    app = build_app(engine, NAME, api_key=KEY, max_waiting=MAX_WAITING)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    yield SimpleNamespace(
+        url=url,
+        engine=engine,
+        app=app,
+        client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0),
+        aclient=lambda: openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0),
+        http=httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60),
+        idle_free_blocks=engine.block_manager.num_blocks,
+    )
+    server.should_exit = True
+    thread.join(30)
+    assert engine.executor is None  # the lifespan closed the engine
+
+
+def scrape_metrics(live) -> dict:
+    """GET /metrics parsed by prometheus_client's parser: sample name -> value (model NAME)."""
+    import httpx2 as httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(live.url + "/metrics").text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels.get("model_name") == NAME:
+                values[s.name] = values.get(s.name, 0) + s.value
+    return values

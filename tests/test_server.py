@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,8 +21,6 @@ import httpx2 as httpx
 import openai
 import pytest
 import torch
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from ringserve import SamplingParams
 from ringserve.config import EngineConfig
@@ -32,45 +29,7 @@ from ringserve.errors import RequestError, RequestTooLargeError
 from ringserve.server import build_app
 from ringserve.server.async_engine import AsyncEngine, EngineDeadError
 
-KEY = "test-key"
-NAME = "smol"
-MAX_MODEL_LEN = 512
-MAX_WAITING = 96
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def live():
-    engine = LLMEngine(
-        None, device="cpu", dtype="float32", engine_config=EngineConfig(max_model_len=MAX_MODEL_LEN)
-    )
-    app = build_app(engine, NAME, api_key=KEY, max_waiting=MAX_WAITING)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
-    yield SimpleNamespace(
-        url=url,
-        engine=engine,
-        app=app,
-        client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0),
-        aclient=lambda: openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0),
-        http=httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60),
-        idle_free_blocks=engine.block_manager.num_blocks,
-    )
-    server.should_exit = True
-    thread.join(30)
-    assert engine.executor is None  # the lifespan closed the engine
+from conftest import KEY, MAX_MODEL_LEN, MAX_WAITING, NAME, free_port, scrape_metrics
 
 
 def _wait_idle(live, timeout=10.0):
@@ -441,21 +400,12 @@ def test_api_key(live):
         openai.OpenAI(base_url=live.url + "/v1", api_key="nope", max_retries=0).models.list()
     assert [m.id for m in live.client.models.list().data] == [NAME]
     assert httpx.get(live.url + "/health").status_code == 200  # outside /v1: no key
-    assert httpx.get(live.url + "/version").json()["version"]
+    version = httpx.get(live.url + "/version").json()
+    assert version["version"] and version["parallel"] == {"tp": 1, "cp": 1, "ep": 1}
 
 
-def _metrics(live) -> dict:
-    text = httpx.get(live.url + "/metrics").text
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.labels.get("model_name") == NAME:
-                values[s.name] = values.get(s.name, 0) + s.value
-    return values
-
-
-def test_metrics(live):
-    before = _metrics(live)
+def testscrape_metrics(live):
+    before = scrape_metrics(live)
     for name in (
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
@@ -465,7 +415,7 @@ def test_metrics(live):
         assert name in before
     live.client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=5, temperature=0)
     live.client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=5, temperature=0)
-    after = _metrics(live)
+    after = scrape_metrics(live)
     prompt_len = len(live.engine.tokenize("The capital of France is"))
     assert after["vllm:prompt_tokens_total"] - before.get("vllm:prompt_tokens_total", 0) == 2 * prompt_len
     assert after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0) == 10
@@ -557,7 +507,7 @@ def test_worker_error_ends_the_server_with_exit_code_1():
     from ringserve.engine.executor import WorkerError
     from ringserve.server import run_server
 
-    port = _free_port()
+    port = free_port()
     answers = []
 
     def client():
@@ -656,7 +606,7 @@ def test_scheduler_drops_a_request_larger_than_the_cache():
 
 
 def test_sigterm_ends_in_flight_requests_and_exits_0(tmp_path):
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "ringserve.cli", "serve", "--device", "cpu", "--dtype", "float32"]

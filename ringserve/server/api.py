@@ -547,7 +547,9 @@ def build_app(
 
     @app.get("/version")
     async def version():
-        return {"version": ringserve.__version__}
+        # the layout lets a benchmark result say what it measured (cp scaling, tp, ep)
+        parallel = {"tp": engine.parallel.tp, "cp": engine.parallel.cp, "ep": engine.parallel.ep}
+        return {"version": ringserve.__version__, "parallel": parallel}
 
     @app.get("/metrics")
     async def metrics():

@@ -6,11 +6,11 @@ import torch
 
 from ringserve import LLM, SamplingParams
 from ringserve.attention import VarlenBatch, attention_with_lse
-from ringserve.engine.block_manager import place_blocks
-from ringserve.parallel.cp import CPCalibration, RingAttention, choose_cp_algo, split_step
+from ringserve.parallel.cp import CPCalibration, RingAttention, choose_cp_algo
+from ringserve.parallel.cp_layout import place_blocks
 from ringserve.parallel.local_world import run_local_world
 
-from helpers import engine_logits
+from helpers import engine_logits, ring_step
 
 BS = 4  # small KV blocks so that short prompts spread over every rank
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -91,30 +91,21 @@ def _ring_rank(rank, world_size, algo, max_partial_bytes):
 
     block, cp, heads, kv_heads, dim = 4, world_size, 4, 2, 8
     starts, totals = [0, 22], [70, 52]
-    tables, counters = [], [0] * cp
-    for seq, (start, total) in enumerate(zip(starts, totals)):
-        cached = -(-start // block) if start else 0
-        owners = place_blocks(seq, 0, cached, cp) + place_blocks(seq, cached, -(-total // block) - cached, cp)
-        table = []
-        for r in owners:
-            table.append(r * 64 + counters[r])
-            counters[r] += 1
-        tables.append(table)
-    counts = [t - s for s, t in zip(starts, totals)]
-    shares, _ = split_step(counts, starts, tables, block, 64, cp)
+    step, _, key_positions = ring_step(starts, totals, block, cp)
     g = torch.Generator().manual_seed(0)
     qs = [torch.randn(t, heads, dim, generator=g) for t in totals]
     ks = [torch.randn(t, kv_heads, dim, generator=g) for t in totals]
     vs = [torch.randn(t, kv_heads, dim, generator=g) for t in totals]
-    mine = shares[rank]
-    q = torch.cat([x[p] for x, p in zip(qs, mine.q_positions)])
-    k = torch.cat([x[p] for x, p in zip(ks, mine.k_positions)])
-    v = torch.cat([x[p] for x, p in zip(vs, mine.k_positions)])
-    ring = RingAttention(dist.group.WORLD, shares, algo, dim**-0.5, "cpu")
+    mine = step.owners == rank
+    q_positions = [step.positions[mine & (step.seq == i)] for i in range(len(totals))]
+    q = torch.cat([x[p] for x, p in zip(qs, q_positions)])
+    k = torch.cat([x[p[rank]] for x, p in zip(ks, key_positions)])
+    v = torch.cat([x[p[rank]] for x, p in zip(vs, key_positions)])
+    ring = RingAttention(dist.group.WORLD, step, algo, dim**-0.5, "cpu")
     ring.max_partial_bytes = max_partial_bytes
     got = ring(q, k, v)
     want = []
-    for x, kk, vv, p, total in zip(qs, ks, vs, mine.q_positions, totals):
+    for x, kk, vv, p, total in zip(qs, ks, vs, q_positions, totals):
         full = VarlenBatch(
             torch.tensor([0, total]),
             torch.tensor([0, total]),
@@ -124,7 +115,7 @@ def _ring_rank(rank, world_size, algo, max_partial_bytes):
             torch.arange(total),
         )
         want.append(attention_with_lse(x, kk, vv, full, dim**-0.5)[0][p])
-    return (got - torch.cat(want)).abs().max().item(), mine.num_queries
+    return (got - torch.cat(want)).abs().max().item(), step.num_queries(rank)
 
 
 @pytest.mark.parametrize(
@@ -150,7 +141,7 @@ def test_one_token_blocks_place_every_decode_token_round_robin(tiny_model_dir, r
             for table, seq in zip(tables, seqs):
                 if len(seq.block_table) > len(table):
                     table[:] = seq.block_table
-        ranks = [[engine.block_manager.rank_of(b) for b in table] for table in tables]
+        ranks = [[engine.block_manager.layout.rank_of(b) for b in table] for table in tables]
     assert [seq.output_token_ids for seq in seqs] == ref_batch
     for seq_ranks, prompt in zip(ranks, VARSEQ):
         decoded = seq_ranks[len(prompt) :]
@@ -170,7 +161,7 @@ def test_each_rank_holds_its_share_of_the_kv(tiny_model_dir):
         for _ in range(20):
             engine.step()
         blocks = list(seq.block_table)  # 400 prompt + 19 decoded tokens' KV (+ the next one's)
-        per_rank = [sum(1 for b in blocks if engine.block_manager.rank_of(b) == r) for r in range(4)]
+        per_rank = [sum(1 for b in blocks if engine.block_manager.layout.rank_of(b) == r) for r in range(4)]
         # Each rank's cache tensors are a quarter of what one rank would need.
         kv_bytes = engine.executor.worker.kv_cache.nbytes
         while engine.has_unfinished():

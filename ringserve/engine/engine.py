@@ -254,7 +254,7 @@ class LLMEngine:
             raise
         if not batch:
             return []
-        step = StepInput.from_batch(batch)
+        step = StepInput.from_batch(batch, self.block_manager.layout)
         if self.parallel.cp > 1:
             step.cp_algo = self._choose_cp_algo(batch)
             self.cp_steps[step.cp_algo] += 1

@@ -274,3 +274,41 @@ def test_chunked_prefill_and_preemption_under_cp(algo, tiny_model_dir, reference
         assert [o.token_ids for o in llm.generate(VARSEQ, GREEDY)] == ref_batch
         assert llm.engine.num_preemptions > 0
         assert set(llm.engine.cp_steps) == {algo}  # the forced ring ran every step, prefill too
+
+
+def test_decode_step_host_work_does_not_grow_with_the_cached_context(tiny_model_dir):
+    """Under cp=2 a decode step's host-built elements (the driver's message, rank 0's ring
+    metadata and index tensors) are the same after 6 cached tokens as after 302."""
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    with LLM(tiny_model_dir("llama"), device="cpu", dtype="float32", block_size=BS, cp=2) as llm:
+        engine = llm.engine
+        runner = engine.executor.worker.runner
+        counts = []
+        for length in (6, 302):  # the same place in a block: neither decode step opens one
+            for prompt in prompts_of_lengths([length, length + 3], seed=length):
+                engine.add_request(prompt, params)
+            engine.step()  # both prompts, and their first tokens
+            before = runner.host_elements
+            assert len(engine.step()) == 2  # one decode step: both second tokens
+            counts.append(runner.host_elements - before)
+            assert not engine.has_unfinished()
+    assert counts[0] == counts[1], counts
+
+
+def test_prefix_hits_and_preemption_place_decode_over_ranks(tiny_model_dir):
+    """Prompts that share a cached prefix spread over 3 ranks (new rows start with blocks
+    on every rank), so few blocks that sequences are preempted and placed afresh, and long
+    decodes crossing many 2-token blocks: the same tokens as one rank."""
+    shared = prompts_of_lengths([23], seed=5)[0]
+    prompts = [shared + tail for tail in ([1, 2], [3], [4, 5, 6], [7, 8, 9, 10])]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    common = dict(device="cpu", dtype="float32", block_size=2, timeout_s=60)
+    with LLM(tiny_model_dir("llama"), **common) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(
+        tiny_model_dir("llama"), cp=3, cp_algo="pass_q", num_blocks=16, max_model_len=64, **common
+    ) as llm:
+        outs = llm.generate([prompts[0]], params) + llm.generate(prompts[1:], params)
+        assert llm.engine.num_preemptions > 0
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.num_cached_tokens >= 22 for o in outs[1:])

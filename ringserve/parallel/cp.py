@@ -58,22 +58,22 @@ class RingStep:
         self.positions = per_token(2) + offset  # [T] global positions
         self.slots = per_token(4) + offset  # [T] local cache slots on the owner
         num_seqs = len(num_tokens)
-        cached = torch.tensor(cp.cached_keys, dtype=torch.int64).reshape(num_ranks, num_seqs)
-        # [N, S] new tokens of each sequence on each rank
-        self.queries = torch.bincount(self.owners * num_seqs + self.seq, minlength=num_ranks * num_seqs)
-        self.queries = self.queries.reshape(num_ranks, num_seqs)
-        self.keys = cached + self.queries  # [N, S] keys each rank holds once the step's are written
-        self._cached = cached
-        seq_start = torch.tensor([0, *num_tokens[:-1]], dtype=torch.int64).cumsum(0)  # [S]
-        self._seq_start = seq_start
+        self._cached = torch.tensor(cp.cached_keys, dtype=torch.int64).reshape(num_ranks, num_seqs)
+        packed = torch.bincount(self.owners * num_seqs + self.seq, minlength=num_ranks * num_seqs)
+        self.queries = packed.reshape(num_ranks, num_seqs)  # [N, S] new tokens of each sequence on each rank
+        self.keys = self._cached + self.queries  # [N, S] keys each rank holds once the step's are written
+        # Per rank, read by every layer's ring: plain ints.
+        self._num_queries = self.queries.sum(1).tolist()
+        self._num_keys = self.keys.sum(1).tolist()
+        self._seq_start = torch.tensor([0, *num_tokens[:-1]], dtype=torch.int64).cumsum(0)  # [S] first token
         self.host_elements = runs.numel() + 5 * total + 4 * self.keys.numel() + num_seqs
         self._new_keys_before: dict[int, torch.Tensor] = {}
 
     def num_queries(self, rank: int) -> int:
-        return int(self.queries[rank].sum())
+        return self._num_queries[rank]
 
     def num_keys(self, rank: int) -> int:
-        return int(self.keys[rank].sum())
+        return self._num_keys[rank]
 
     def _seen_new_keys(self, k_rank: int) -> torch.Tensor:
         """[T] per new token, the new keys of its sequence on k_rank at or before it."""

@@ -124,22 +124,24 @@ class ModelRunner:
         """This rank's new tokens and keys, and the ring that joins them to the others'.
         Host work: the step's new tokens, and its sequences times the ranks (RingStep)."""
         counts = [len(t) for t in step.token_ids]
-        layout = RingStep(step.cp, counts, self.cp_size)
-        mine = layout.owners == self.cp_rank
+        ring_step = RingStep(step.cp, counts, self.cp_size)
+        mine = ring_step.owners == self.cp_rank
         all_ids = torch.tensor([t for tokens in step.token_ids for t in tokens], dtype=torch.int64)
         # Which packed new-token rows sample, and which rank computes each of them.
         ends = torch.tensor(counts).cumsum(0) - 1
-        self._rows = _CPRows(layout.owners, ends[torch.tensor(step.sample, dtype=torch.bool)], self.cp_size)
+        self._rows = _CPRows(
+            ring_step.owners, ends[torch.tensor(step.sample, dtype=torch.bool)], self.cp_size
+        )
         local_rows = self._rows.local_sample_rows(self.cp_rank)
         dev = self.device
-        ring = RingAttention(self.cp_group, layout, step.cp_algo, self.scale, dev)
+        ring = RingAttention(self.cp_group, ring_step, step.cp_algo, self.scale, dev)
         # Every key this rank holds of the step's sequences, new ones included, packed per
         # sequence in position order (what the ring's metadata counts).
-        my_keys = layout.keys[self.cp_rank].tolist()
+        my_keys = ring_step.keys[self.cp_rank].tolist()
         key_slots = self.block_tables.key_slots(step.rows, my_keys, self.kv_cache.block_size)
         ctx = RingAttentionContext(
             self.kv_cache,
-            layout.slots[mine].to(dev),
+            ring_step.slots[mine].to(dev),
             self.all_reduce,
             self.run_experts,
             local_slots=key_slots,
@@ -147,13 +149,13 @@ class ModelRunner:
         )
         self.host_elements += (
             step.cp.num_host_elements
-            + layout.host_elements
+            + ring_step.host_elements
             + 2 * len(all_ids)
             + len(counts)
             + 3 * len(self._rows.owners)
             + 2 * len(step.rows)
         )
-        return all_ids[mine].to(dev), layout.positions[mine].to(dev), ctx, local_rows.to(dev)
+        return all_ids[mine].to(dev), ring_step.positions[mine].to(dev), ctx, local_rows.to(dev)
 
     def _prepare_local(self, step: StepInput):
         """Per new token: id, position, row; per sequence: row, query bounds, length. One

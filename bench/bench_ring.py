@@ -4,7 +4,7 @@
 
 1. Kernel efficiency: for 8K..128K tokens (Llama-3-8B heads: 32 query, 8 KV, dim 128, bf16),
    all N x N ring steps of a zigzag prefill over N = 2, 4, 8 ranks, each through the engine's attention op
-   (`attention_rows` on per-rank shares, with LSE, plus the merge), timed back to back on
+   (`attention_rows` on each rank's share, with LSE, plus the merge), timed back to back on
    one GPU, against one cuDNN causal call over the whole sequence: the same useful work.
 2. Ring model: for N = 2, 4, 8 and 128K..1M tokens, each rank's N partial-attention steps
    timed in turn (one layer); load balance = slowest rank / mean per step; the TTFT predicted
@@ -23,9 +23,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import event_time_ms, machine_info, measure_ceilings, write_json  # noqa: E402
 
 from ringserve.attention import _dense_block, attention_rows  # noqa: E402
-from ringserve.engine.block_manager import place_blocks  # noqa: E402
+from ringserve.engine.block_manager import BlockManager  # noqa: E402
+from ringserve.engine.sequence import Sequence  # noqa: E402
 from ringserve.lse_merge import merge_partials  # noqa: E402
-from ringserve.parallel.cp import split_step  # noqa: E402
+from ringserve.parallel.cp import RingStep  # noqa: E402
+from ringserve.sampling_params import SamplingParams  # noqa: E402
 
 NH, NKV, D, LAYERS = 32, 8, 128, 32
 LINEAR_PARAMS = 32 * (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336)  # Llama-3-8B body
@@ -33,29 +35,33 @@ NVLINK_BYTES_PER_S = 450e9  # H200 NVLink, one direction (a lead; issue 6 measur
 BLOCK = 256
 
 
-def shares_for(tokens: int, n: int):
-    blocks = -(-tokens // BLOCK)
-    per_rank = blocks  # ample room in every rank's pool
-    owner = place_blocks(0, 0, blocks, n)
-    counters = [0] * n
-    table = []
-    for r in owner:
-        table.append(r * per_rank + counters[r])
-        counters[r] += 1
-    shares, _ = split_step([tokens], [0], [table], BLOCK, per_rank, n)
-    return shares
+def ring_step_for(tokens: int, n: int) -> RingStep:
+    """A whole prompt's step over n ranks, placed by the engine's block manager and CP layout."""
+    manager = BlockManager(-(-tokens // BLOCK) * n, BLOCK, False, n)  # ample room on every rank
+    seq = Sequence("0", [0] * tokens, SamplingParams())
+    seq.row = 0
+    assert manager.allocate(seq, tokens)
+    return RingStep(manager.layout.step([seq], [tokens]), [tokens], n)
 
 
-def ring_inputs(shares, device):
+def ring_inputs(step: RingStep, device):
     g = torch.Generator(device=device).manual_seed(0)
-    qs = [torch.randn(s.num_queries, NH, D, device=device, dtype=torch.bfloat16, generator=g) for s in shares]
-    ks = [torch.randn(s.num_keys, NKV, D, device=device, dtype=torch.bfloat16, generator=g) for s in shares]
-    vs = [torch.randn(s.num_keys, NKV, D, device=device, dtype=torch.bfloat16, generator=g) for s in shares]
+    ranks = range(step.num_ranks)
+    qs = [
+        torch.randn(step.num_queries(r), NH, D, device=device, dtype=torch.bfloat16, generator=g)
+        for r in ranks
+    ]
+    ks = [
+        torch.randn(step.num_keys(r), NKV, D, device=device, dtype=torch.bfloat16, generator=g) for r in ranks
+    ]
+    vs = [
+        torch.randn(step.num_keys(r), NKV, D, device=device, dtype=torch.bfloat16, generator=g) for r in ranks
+    ]
     return qs, ks, vs
 
 
-def step_fn(shares, qs, ks, vs, rank, src):
-    batch = shares[rank].varlen(shares[src], "cuda")
+def step_fn(step: RingStep, qs, ks, vs, rank, src):
+    batch = step.varlen(rank, src, "cuda")
     return lambda: attention_rows(qs[rank], ks[src], vs[src], batch, D**-0.5)
 
 
@@ -67,14 +73,11 @@ def kernel_efficiency(tokens: int, cps=(2, 4, 8)) -> list[dict]:
     cudnn_ms = event_time_ms(lambda: _dense_block(q, k, v, True, D**-0.5), warmup=2, reps=5)
     rows = []
     for n in cps:
-        shares = shares_for(tokens, n)
-        qs, ks, vs = ring_inputs(shares, "cuda")
-        steps = [step_fn(shares, qs, ks, vs, r, (r - j) % n) for r in range(n) for j in range(n)]
+        step = ring_step_for(tokens, n)
+        qs, ks, vs = ring_inputs(step, "cuda")
+        steps = [step_fn(step, qs, ks, vs, r, (r - j) % n) for r in range(n) for j in range(n)]
         calls = sum(
-            len(g)
-            for r in range(n)
-            for j in range(n)
-            for g in shares[r].varlen(shares[j], "cpu").plan().groups
+            len(g) for r in range(n) for j in range(n) for g in step.varlen(r, j, "cpu").plan().groups
         )
 
         def whole_ring(steps=steps, n=n, qs=qs):
@@ -101,14 +104,14 @@ def kernel_efficiency(tokens: int, cps=(2, 4, 8)) -> list[dict]:
 
 
 def ring_model(tokens: int, n: int, matmul_flops: float) -> dict:
-    shares = shares_for(tokens, n)
-    qs, ks, vs = ring_inputs(shares, "cuda")
+    step = ring_step_for(tokens, n)
+    qs, ks, vs = ring_inputs(step, "cuda")
     # step_ms[j][r]: rank r's attention at ring step j (KV from rank r - j)
     step_ms = [
-        [event_time_ms(step_fn(shares, qs, ks, vs, r, (r - j) % n), warmup=1, reps=2) for r in range(n)]
+        [event_time_ms(step_fn(step, qs, ks, vs, r, (r - j) % n), warmup=1, reps=2) for r in range(n)]
         for j in range(n)
     ]
-    kv_bytes = max(s.num_keys for s in shares) * 2 * NKV * D * 2
+    kv_bytes = max(step.num_keys(r) for r in range(n)) * 2 * NKV * D * 2
     transfer_ms = kv_bytes / NVLINK_BYTES_PER_S * 1000
     per_layer = sum(max(max(row), transfer_ms if j + 1 < n else 0.0) for j, row in enumerate(step_ms))
     rank_totals = [sum(step_ms[j][r] for j in range(n)) for r in range(n)]

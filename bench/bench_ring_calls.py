@@ -17,7 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_ring import NH, NKV, D, shares_for  # noqa: E402
+from bench_ring import NH, NKV, D, ring_step_for  # noqa: E402
 from common import event_time_ms, machine_info, write_json  # noqa: E402
 
 from ringserve import lse_merge  # noqa: E402
@@ -49,9 +49,9 @@ def profile_ring(tokens: int, n: int) -> None:
     from bench_ring import ring_inputs, step_fn
     from torch.profiler import ProfilerActivity, profile
 
-    shares = shares_for(tokens, n)
-    qs, ks, vs = ring_inputs(shares, "cuda")
-    steps = [step_fn(shares, qs, ks, vs, r, (r - j) % n) for r in range(n) for j in range(n)]
+    step = ring_step_for(tokens, n)
+    qs, ks, vs = ring_inputs(step, "cuda")
+    steps = [step_fn(step, qs, ks, vs, r, (r - j) % n) for r in range(n) for j in range(n)]
 
     def whole_ring():
         for r in range(n):
@@ -133,10 +133,10 @@ def main():
     seen = set()
     for tokens in (8192, 16384):
         for n in (4, 8):
-            shares = shares_for(tokens, n)
+            step = ring_step_for(tokens, n)
             for r in range(n):
                 for j in range(n):
-                    plan = shares[r].varlen(shares[j], "cpu").plan()
+                    plan = step.varlen(r, j, "cpu").plan()
                     for group in plan.groups:
                         for b in group:
                             shape = (b.q1 - b.q0, b.k1 - b.k0, b.causal)

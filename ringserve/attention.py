@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ringserve.attention_plan import AttentionPlan, Block, plan_attention
+from ringserve.attention_plan import AttentionPlan, Block, plan_attention, plan_seen
 from ringserve.lse_merge import merge_partials
 
 
@@ -28,7 +28,7 @@ class VarlenBatch:
     max_seqlen_q: int
     max_seqlen_k: int
     q_positions: torch.Tensor  # [Tq] global token positions
-    k_positions: torch.Tensor  # [Tk]
+    k_positions: torch.Tensor | None  # [Tk]; None where seen_keys says what each query sees
     # True when every sequence's keys are positions 0..Lk-1 and its queries the last Lq of
     # them: the bottom-right causal mask that fused kernels implement without positions.
     causal_suffix: bool = True
@@ -37,13 +37,26 @@ class VarlenBatch:
     k_bounds: list[int] | None = None
     q_positions_host: torch.Tensor | None = None
     k_positions_host: torch.Tensor | None = None
+    # Ring steps: how many of its sequence's keys (sorted by position) each query sees,
+    # [Tq] int64 on the device and the host; the keys' positions are then never needed.
+    seen_keys: torch.Tensor | None = None
+    seen_keys_host: torch.Tensor | None = None
     _plan: AttentionPlan | None = None  # made once per batch (a ring step's batch serves every layer)
+
+    @property
+    def plannable(self) -> bool:
+        return self.seen_keys_host is not None or self.q_positions_host is not None
 
     def plan(self) -> AttentionPlan:
         if self._plan is None:
-            self._plan = plan_attention(
-                self.q_bounds, self.k_bounds, self.q_positions_host, self.k_positions_host
-            )
+            if self.seen_keys_host is not None:
+                bounds = zip(self.q_bounds[:-1], self.q_bounds[1:])
+                seen = [self.seen_keys_host[q0:q1] for q0, q1 in bounds]
+                self._plan = plan_seen(self.q_bounds, self.k_bounds, seen)
+            else:
+                self._plan = plan_attention(
+                    self.q_bounds, self.k_bounds, self.q_positions_host, self.k_positions_host
+                )
         return self._plan
 
 
@@ -61,7 +74,7 @@ def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float):
         # PyTorch's flash kernel for the CPU, per sequence (every step the engine runs on a
         # CPU: prompts, chunks, decode rows); it never holds a [Lq, Lk] score matrix.
         return _dense_per_sequence(q, k, v, batch.q_bounds, batch.k_bounds, scale)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and batch.q_positions_host is not None:
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and batch.plannable:
         return _planned(q, k, v, batch.plan(), batch, scale)
     return _math_varlen(q, k, v, batch, scale)
 
@@ -76,7 +89,7 @@ def attention_rows(q, k, v, batch: VarlenBatch, scale: float):
     # cuDNN blocks on a GPU; on a CPU the same blocks through the CPU flash kernel (so the
     # ring's row runs are exercised by the CPU tests too).
     blocks_here = q.dtype in (torch.float16, torch.bfloat16) if q.is_cuda else True
-    if blocks_here and batch.q_positions_host is not None:
+    if blocks_here and batch.plannable:
         group = batch.plan().single_group()
         if group is not None:
             return (*_attend_group(q, k, v, group, scale), group[0].q0)
@@ -263,7 +276,11 @@ def _math_varlen(q, k, v, batch: VarlenBatch, scale: float):
         ks = k[k0:k1].float().permute(1, 0, 2).unsqueeze(1)
         vs = v[k0:k1].float().permute(1, 0, 2).unsqueeze(1)
         scores = torch.matmul(qs, ks.transpose(-1, -2)) * scale
-        visible = batch.q_positions[q0:q1, None] >= batch.k_positions[None, k0:k1]
+        if batch.seen_keys is not None:  # keys sorted by position: query t sees the first seen[t]
+            keys = torch.arange(k1 - k0, device=q.device)
+            visible = keys[None, :] < batch.seen_keys[q0:q1, None]
+        else:
+            visible = batch.q_positions[q0:q1, None] >= batch.k_positions[None, k0:k1]
         scores = scores.masked_fill(~visible, float("-inf"))
         seq_lse = torch.logsumexp(scores, dim=-1)  # [NKV, G, Lq]; -inf where nothing visible
         probs = torch.exp(scores - seq_lse.unsqueeze(-1).clamp(min=torch.finfo(torch.float32).min))

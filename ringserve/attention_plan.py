@@ -88,7 +88,6 @@ class AttentionPlan:
 def plan_attention(q_bounds, k_bounds, q_positions: torch.Tensor, k_positions: torch.Tensor) -> AttentionPlan:
     """Plan a packed batch: sequence i has queries q_bounds[i]:q_bounds[i+1] at q_positions
     and keys k_bounds[i]:k_bounds[i+1] at k_positions (host tensors)."""
-    plan = AttentionPlan()
     seen_counts = []  # per sequence: keys seen by each query; None for keys out of order
     for i in range(len(q_bounds) - 1):
         keys = k_positions[k_bounds[i] : k_bounds[i + 1]]
@@ -98,6 +97,14 @@ def plan_attention(q_bounds, k_bounds, q_positions: torch.Tensor, k_positions: t
             seen_counts.append(
                 torch.searchsorted(keys, q_positions[q_bounds[i] : q_bounds[i + 1]], right=True)
             )
+    return plan_seen(q_bounds, k_bounds, seen_counts)
+
+
+def plan_seen(q_bounds, k_bounds, seen_counts: list[torch.Tensor | None]) -> AttentionPlan:
+    """Plan from how many of its sequence's keys each query sees (keys sorted by position):
+    seen_counts[i] [queries of sequence i] int64 on the host, or None for keys out of order
+    (then an explicit mask). Host work O(queries + sequences), none per key."""
+    plan = AttentionPlan()
     if all(n is not None for n in seen_counts):
         plan.decode = _decode_layout(q_bounds, k_bounds, seen_counts)
         if plan.decode is not None:  # a decode step: the fused call needs no block plan

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.runner import StepInput
 from ringserve.engine.scheduler import ScheduledBatch
 from ringserve.engine.sequence import Sequence
+from ringserve.parallel.cp import RingStep
 from ringserve.sampling_params import SamplingParams
 
 
@@ -21,7 +23,7 @@ def engine_logits(engine, token_ids: list[int], prefill: int, chunks: list[int] 
     for n in steps:
         seq.prompt_token_ids = token_ids[: seq.num_computed_tokens + n]
         assert engine.block_manager.allocate(seq, n)
-        step = StepInput.from_batch(ScheduledBatch([seq], [n]))
+        step = StepInput.from_batch(ScheduledBatch([seq], [n]), engine.block_manager.layout)
         rows.append(engine.executor.execute(step, all_logits=True))
         seq.num_computed_tokens += n
     engine.block_manager.free(seq)
@@ -43,3 +45,30 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     tokens = out[0, len(prompt) :].tolist()
     assert len(tokens) == max_new_tokens
     return tokens
+
+
+def ring_step(starts: list[int], totals: list[int], block_size: int, cp: int):
+    """A step of sequences whose first starts[i] tokens are cached and which compute up to
+    totals[i], placed by a CP layout as the engine places them (cached blocks first, then
+    the new ones): (RingStep, the layout, each sequence's per-rank key positions)."""
+    manager = BlockManager(-(-max(totals) // block_size) * len(totals) * cp, block_size, False, cp)
+    seqs = []
+    for i, (start, total) in enumerate(zip(starts, totals)):
+        seq = Sequence(str(i), [0] * total, SamplingParams())
+        seq.row = i
+        if start:
+            assert manager.allocate(seq, start)
+            seq.num_computed_tokens = start
+        assert manager.allocate(seq, total - start)
+        seqs.append(seq)
+    counts = [t - s for s, t in zip(starts, totals)]
+    layout = manager.layout
+    step = RingStep(layout.step(seqs, counts), counts, cp)
+    key_positions = [
+        [
+            torch.tensor([p for p in range(total) if layout.where(seq.block_table, p)[0] == r])
+            for r in range(cp)
+        ]
+        for seq, total in zip(seqs, totals)
+    ]
+    return step, layout, key_positions

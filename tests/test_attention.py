@@ -196,23 +196,21 @@ def test_block_plan_of_irregular_layouts_matches_the_math_path():
 
 
 def test_every_zigzag_ring_step_is_one_call():
-    """A prefill split 2N ways: each (query rank, key rank) step is a single dense call."""
-    from ringserve.engine.block_manager import place_blocks
-    from ringserve.parallel.cp import split_step
+    """A prefill split 2N ways: each (query rank, key rank) step is a single dense call, and
+    the ring's plan (made from key counts) is the plan of the keys' real positions."""
+    from helpers import ring_step
 
     block, cp = 4, 4
     for tokens in (96, 90):  # 3 blocks a chunk; and a length that is not a multiple of 2N blocks
-        blocks = -(-tokens // block)
-        table = []
-        counters = [0] * cp
-        for r in place_blocks(0, 0, blocks, cp):
-            table.append(r * blocks + counters[r])
-            counters[r] += 1
-        shares, _ = split_step([tokens], [0], [table], block, blocks, cp)
+        step, _, key_positions = ring_step([0], [tokens], block, cp)
         for q_rank in range(cp):
             for k_rank in range(cp):
-                batch = shares[q_rank].varlen(shares[k_rank], "cpu")
-                _planned_equals_math(batch, seed=q_rank * cp + k_rank)
+                batch = step.varlen(q_rank, k_rank, "cpu")
+                by_positions = _positions_batch(
+                    [step.positions[step.owners == q_rank]], [key_positions[0][k_rank]]
+                )
+                assert batch.plan() == by_positions.plan(), (q_rank, k_rank)
+                _planned_equals_math(by_positions, seed=q_rank * cp + k_rank)
                 if tokens == 96:
                     assert sum(len(g) for g in batch.plan().groups) == 1, (q_rank, k_rank)
 

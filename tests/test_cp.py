@@ -6,11 +6,11 @@ import torch
 
 from ringserve import LLM, SamplingParams
 from ringserve.attention import VarlenBatch, attention_with_lse
-from ringserve.engine.block_manager import place_blocks
-from ringserve.parallel.cp import CPCalibration, RingAttention, choose_cp_algo, split_step
+from ringserve.parallel.cp import CPCalibration, RingAttention, choose_cp_algo
+from ringserve.parallel.cp_layout import place_blocks
 from ringserve.parallel.local_world import run_local_world
 
-from helpers import engine_logits
+from helpers import engine_logits, ring_step
 
 BS = 4  # small KV blocks so that short prompts spread over every rank
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -91,30 +91,21 @@ def _ring_rank(rank, world_size, algo, max_partial_bytes):
 
     block, cp, heads, kv_heads, dim = 4, world_size, 4, 2, 8
     starts, totals = [0, 22], [70, 52]
-    tables, counters = [], [0] * cp
-    for seq, (start, total) in enumerate(zip(starts, totals)):
-        cached = -(-start // block) if start else 0
-        owners = place_blocks(seq, 0, cached, cp) + place_blocks(seq, cached, -(-total // block) - cached, cp)
-        table = []
-        for r in owners:
-            table.append(r * 64 + counters[r])
-            counters[r] += 1
-        tables.append(table)
-    counts = [t - s for s, t in zip(starts, totals)]
-    shares, _ = split_step(counts, starts, tables, block, 64, cp)
+    step, _, key_positions = ring_step(starts, totals, block, cp)
     g = torch.Generator().manual_seed(0)
     qs = [torch.randn(t, heads, dim, generator=g) for t in totals]
     ks = [torch.randn(t, kv_heads, dim, generator=g) for t in totals]
     vs = [torch.randn(t, kv_heads, dim, generator=g) for t in totals]
-    mine = shares[rank]
-    q = torch.cat([x[p] for x, p in zip(qs, mine.q_positions)])
-    k = torch.cat([x[p] for x, p in zip(ks, mine.k_positions)])
-    v = torch.cat([x[p] for x, p in zip(vs, mine.k_positions)])
-    ring = RingAttention(dist.group.WORLD, shares, algo, dim**-0.5, "cpu")
+    mine = step.owners == rank
+    q_positions = [step.positions[mine & (step.seq == i)] for i in range(len(totals))]
+    q = torch.cat([x[p] for x, p in zip(qs, q_positions)])
+    k = torch.cat([x[p[rank]] for x, p in zip(ks, key_positions)])
+    v = torch.cat([x[p[rank]] for x, p in zip(vs, key_positions)])
+    ring = RingAttention(dist.group.WORLD, step, algo, dim**-0.5, "cpu")
     ring.max_partial_bytes = max_partial_bytes
     got = ring(q, k, v)
     want = []
-    for x, kk, vv, p, total in zip(qs, ks, vs, mine.q_positions, totals):
+    for x, kk, vv, p, total in zip(qs, ks, vs, q_positions, totals):
         full = VarlenBatch(
             torch.tensor([0, total]),
             torch.tensor([0, total]),
@@ -124,7 +115,7 @@ def _ring_rank(rank, world_size, algo, max_partial_bytes):
             torch.arange(total),
         )
         want.append(attention_with_lse(x, kk, vv, full, dim**-0.5)[0][p])
-    return (got - torch.cat(want)).abs().max().item(), mine.num_queries
+    return (got - torch.cat(want)).abs().max().item(), step.num_queries(rank)
 
 
 @pytest.mark.parametrize(
@@ -150,7 +141,7 @@ def test_one_token_blocks_place_every_decode_token_round_robin(tiny_model_dir, r
             for table, seq in zip(tables, seqs):
                 if len(seq.block_table) > len(table):
                     table[:] = seq.block_table
-        ranks = [[engine.block_manager.rank_of(b) for b in table] for table in tables]
+        ranks = [[engine.block_manager.layout.rank_of(b) for b in table] for table in tables]
     assert [seq.output_token_ids for seq in seqs] == ref_batch
     for seq_ranks, prompt in zip(ranks, VARSEQ):
         decoded = seq_ranks[len(prompt) :]
@@ -170,7 +161,7 @@ def test_each_rank_holds_its_share_of_the_kv(tiny_model_dir):
         for _ in range(20):
             engine.step()
         blocks = list(seq.block_table)  # 400 prompt + 19 decoded tokens' KV (+ the next one's)
-        per_rank = [sum(1 for b in blocks if engine.block_manager.rank_of(b) == r) for r in range(4)]
+        per_rank = [sum(1 for b in blocks if engine.block_manager.layout.rank_of(b) == r) for r in range(4)]
         # Each rank's cache tensors are a quarter of what one rank would need.
         kv_bytes = engine.executor.worker.kv_cache.nbytes
         while engine.has_unfinished():
@@ -283,3 +274,41 @@ def test_chunked_prefill_and_preemption_under_cp(algo, tiny_model_dir, reference
         assert [o.token_ids for o in llm.generate(VARSEQ, GREEDY)] == ref_batch
         assert llm.engine.num_preemptions > 0
         assert set(llm.engine.cp_steps) == {algo}  # the forced ring ran every step, prefill too
+
+
+def test_decode_step_host_work_does_not_grow_with_the_cached_context(tiny_model_dir):
+    """Under cp=2 a decode step's host-built elements (the driver's message, rank 0's ring
+    metadata and index tensors) are the same after 6 cached tokens as after 302."""
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    with LLM(tiny_model_dir("llama"), device="cpu", dtype="float32", block_size=BS, cp=2) as llm:
+        engine = llm.engine
+        runner = engine.executor.worker.runner
+        counts = []
+        for length in (6, 302):  # the same place in a block: neither decode step opens one
+            for prompt in prompts_of_lengths([length, length + 3], seed=length):
+                engine.add_request(prompt, params)
+            engine.step()  # both prompts, and their first tokens
+            before = runner.host_elements
+            assert len(engine.step()) == 2  # one decode step: both second tokens
+            counts.append(runner.host_elements - before)
+            assert not engine.has_unfinished()
+    assert counts[0] == counts[1], counts
+
+
+def test_prefix_hits_and_preemption_place_decode_over_ranks(tiny_model_dir):
+    """Prompts that share a cached prefix spread over 3 ranks (new rows start with blocks
+    on every rank), so few blocks that sequences are preempted and placed afresh, and long
+    decodes crossing many 2-token blocks: the same tokens as one rank."""
+    shared = prompts_of_lengths([23], seed=5)[0]
+    prompts = [shared + tail for tail in ([1, 2], [3], [4, 5, 6], [7, 8, 9, 10])]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    common = dict(device="cpu", dtype="float32", block_size=2, timeout_s=60)
+    with LLM(tiny_model_dir("llama"), **common) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(
+        tiny_model_dir("llama"), cp=3, cp_algo="pass_q", num_blocks=16, max_model_len=64, **common
+    ) as llm:
+        outs = llm.generate([prompts[0]], params) + llm.generate(prompts[1:], params)
+        assert llm.engine.num_preemptions > 0
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.num_cached_tokens >= 22 for o in outs[1:])

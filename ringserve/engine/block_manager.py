@@ -4,10 +4,9 @@ A full block is named by a hash of its tokens and of the block before it, so equ
 prefixes map to equal hashes. Blocks nobody uses but that hold a hashed prefix stay
 cached until memory runs short, then the least recently freed is reused first.
 
-Under context parallelism each of the N ranks has its own pool of blocks_per_rank blocks;
-block id b lives on rank b // blocks_per_rank, so a block table says where each piece of
-a sequence's KV lies. Each logical block (block_size consecutive positions) sits whole on
-one rank, so blocks stay prefix-cacheable. New blocks are placed by `place_blocks`.
+Under context parallelism each of the N ranks has its own pool of blocks; where a block,
+and so each token, lives is the layout's to say (parallel/cp_layout.py): it places new
+blocks, and tells the ranks what each step changes.
 """
 
 from __future__ import annotations
@@ -15,29 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from ringserve.engine.sequence import Sequence
-
-
-def place_blocks(seq_index: int, first_block: int, num_new: int, num_ranks: int) -> list[int]:
-    """The rank of each of a step's new logical blocks first_block .. first_block + num_new - 1.
-
-    Many new blocks (a prefill): cut into 2N chunks, rank i taking chunks i and 2N-1-i, so
-    every ring step costs every rank about the same causal work; each rank gets the same
-    number of blocks, give or take one. A few (decode): round robin by block index, offset
-    by the sequence's index, so sequences decoding together land on different ranks and no
-    rank fills first.
-    """
-    if num_ranks == 1:
-        return [0] * num_new
-    if num_new < 2 * num_ranks:
-        return [(seq_index + first_block + i) % num_ranks for i in range(num_new)]
-    sizes = [0] * (2 * num_ranks)  # blocks per chunk
-    for rank in range(num_ranks):
-        total = num_new // num_ranks + (1 if rank < num_new % num_ranks else 0)
-        sizes[rank], sizes[2 * num_ranks - 1 - rank] = total // 2, total - total // 2
-    ranks = []
-    for chunk, size in enumerate(sizes):
-        ranks += [chunk if chunk < num_ranks else 2 * num_ranks - 1 - chunk] * size
-    return ranks
+from ringserve.parallel.cp_layout import CPLayout
 
 
 class BlockManager:
@@ -48,24 +25,20 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_ranks = num_ranks
-        self.blocks_per_rank = num_blocks // num_ranks
+        self.layout = CPLayout(num_ranks, num_blocks // num_ranks, block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block
         # Per rank, blocks with no user, reused from the front: never-hashed ones first,
         # then cached ones from the least recently freed.
-        per = self.blocks_per_rank
         self.free_blocks: list[OrderedDict[int, None]] = [
-            OrderedDict((b, None) for b in range(r * per, (r + 1) * per)) for r in range(num_ranks)
+            OrderedDict((b, None) for b in self.layout.pool(r)) for r in range(num_ranks)
         ]
 
     @property
     def num_free_blocks(self) -> int:
         return sum(len(pool) for pool in self.free_blocks)
-
-    def rank_of(self, block: int) -> int:
-        return block // self.blocks_per_rank
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
@@ -101,13 +74,13 @@ class BlockManager:
 
     def _take(self, block: int) -> None:
         if self.ref_count[block] == 0:
-            del self.free_blocks[self.rank_of(block)][block]
+            del self.free_blocks[self.layout.rank_of(block)][block]
         self.ref_count[block] += 1
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Add blocks so that `num_new_tokens` more tokens fit; False (no change) if too few."""
         needed = self.blocks_needed(seq, num_new_tokens)
-        ranks = place_blocks(seq.seq_index, len(seq.block_table), needed, self.num_ranks)
+        ranks = self.layout.place(seq.request_id, len(seq.block_table), needed)
         for r in set(ranks):
             if ranks.count(r) > len(self.free_blocks[r]):
                 return False
@@ -125,10 +98,11 @@ class BlockManager:
         for block in reversed(seq.block_table):
             self.ref_count[block] -= 1
             if self.ref_count[block] == 0:
-                pool = self.free_blocks[self.rank_of(block)]
+                pool = self.free_blocks[self.layout.rank_of(block)]
                 pool[block] = None
                 if self.block_hash[block] is None:
                     pool.move_to_end(block, last=False)
+        self.layout.release(seq.request_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0

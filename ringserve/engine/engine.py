@@ -330,7 +330,7 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch, inflight: _LaunchedStep | None) -> _LaunchedStep:
         """Send a step to the device and sample it there; nothing waits for the device."""
-        step = StepInput.from_batch(batch)
+        step = StepInput.from_batch(batch, self.block_manager.layout)
         if self.parallel.cp > 1:
             step.cp_algo = self._choose_cp_algo(batch)
             self.cp_steps[step.cp_algo] += 1

@@ -15,7 +15,8 @@ from ringserve.engine.step_state import BlockTables, fill_pending_tokens
 from ringserve.model import Transformer
 from ringserve.paged_attention import PagedBatch, decode_splits, tile_queries
 from ringserve.parallel.comm import all_gather_stacked
-from ringserve.parallel.cp import RingAttention, split_step
+from ringserve.parallel.cp import RingAttention, RingStep
+from ringserve.parallel.cp_layout import CPLayout, CPStep
 
 
 @dataclass
@@ -23,7 +24,8 @@ class StepInput:
     """What every rank needs to run one step: plain lists, cheap to send to other ranks.
 
     Only what changed travels: a sequence's new tokens, and the blocks its row of the
-    runners' block tables gained since the last step (all of them when it takes a row).
+    runners' block tables gained since the last step (all of them when it takes a row);
+    under context parallelism, the CP layout's account of the step instead (`cp`).
     """
 
     rows: list[int]  # each sequence's row of the runners' step state
@@ -32,6 +34,7 @@ class StepInput:
     sample: list[bool]  # whether the sequence's last known token is among its new ones
     table_updates: list[tuple[int, int, list[int]]]  # (row, first column, new block ids)
     cp_algo: str = "pass_kv"  # the ring for this step under context parallelism
+    cp: CPStep | None = None  # under context parallelism: each rank's blocks and new tokens
     # (sequence index in this step, first, count): new tokens whose logits score the prompt
     # (prompt_logprobs), beyond the sampled ones; empty unless a request asked.
     scored: list[tuple[int, int, int]] = field(default_factory=list)
@@ -40,22 +43,28 @@ class StepInput:
     pending: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
-    def from_batch(cls, batch: ScheduledBatch) -> StepInput:
-        """The step's message; marks each sequence's blocks as sent to the runners."""
-        rows, token_ids, starts, sample, updates, scored = [], [], [], [], [], []
+    def from_batch(cls, batch: ScheduledBatch, layout: CPLayout | None = None) -> StepInput:
+        """The step's message; marks each sequence's blocks as sent to the runners.
+        layout: the block manager's, which speaks for the blocks when there are CP ranks."""
+        rows, token_ids, starts, sample, scored = [], [], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start = seq.num_computed_tokens
             rows.append(seq.row)
             token_ids.append(seq.token_slice(start, start + n))
             starts.append(start)
             sample.append(start + n == seq.num_tokens)
-            if len(seq.block_table) > seq.num_synced_blocks:
-                updates.append((seq.row, seq.num_synced_blocks, seq.block_table[seq.num_synced_blocks :]))
-                seq.num_synced_blocks = len(seq.block_table)
             if seq.prompt_logprobs is not None:
                 first, count = seq.prompt_logits_wanted(start, n)
                 if count:
                     scored.append((i, first, count))
+        if layout is not None and layout.num_ranks > 1:
+            cp = layout.step(batch.seqs, batch.num_tokens)
+            return cls(rows, token_ids, starts, sample, [], cp=cp, scored=scored)
+        updates = []
+        for seq in batch.seqs:
+            if len(seq.block_table) > seq.num_synced_blocks:
+                updates.append((seq.row, seq.num_synced_blocks, seq.block_table[seq.num_synced_blocks :]))
+                seq.num_synced_blocks = len(seq.block_table)
         return cls(rows, token_ids, starts, sample, updates, scored=scored)
 
     @property
@@ -112,7 +121,6 @@ class ModelRunner:
         self.max_model_len = max_model_len
         bs = kv_cache.block_size
         self.block_tables = BlockTables(max_rows, -(-max_model_len // bs) + 1, kv_cache.pad_block, device)
-        self.block_tables.keep_host = self.cp_size > 1
         self.num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         )
@@ -123,8 +131,10 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs, set by the worker on CUDA unless eager is enforced
 
     def _apply_table_updates(self, step: StepInput) -> None:
-        self.block_tables.apply(step.table_updates)
-        self.host_elements += sum(3 * len(blocks) for _, _, blocks in step.table_updates)
+        # Under CP this rank's table holds its share: the local blocks the layout sent it.
+        updates = step.table_updates if step.cp is None else step.cp.table_updates[self.cp_rank]
+        self.block_tables.apply(updates)
+        self.host_elements += sum(3 * len(blocks) for _, _, blocks in updates)
 
     def prepare(self, step: StepInput, pending_tokens: torch.Tensor | None = None):
         self._apply_table_updates(step)
@@ -135,36 +145,40 @@ class ModelRunner:
         return self._prepare_local(step, pending_tokens)
 
     def _prepare_cp(self, step: StepInput):
-        """This rank's new tokens and keys, and the ring that joins them to the others'."""
-        bs = self.kv_cache.block_size
+        """This rank's new tokens and keys, and the ring that joins them to the others'.
+        Host work: the step's new tokens, and its sequences times the ranks (RingStep)."""
         counts = [len(t) for t in step.token_ids]
-        tables = [self.block_tables.host[row] for row in step.rows]
-        shares, owners = split_step(counts, step.starts, tables, bs, self.kv_cache.num_blocks, self.cp_size)
-        mine = owners == self.cp_rank
+        ring_step = RingStep(step.cp, counts, self.cp_size)
+        mine = ring_step.owners == self.cp_rank
         all_ids = torch.tensor([t for tokens in step.token_ids for t in tokens], dtype=torch.int64)
-        share = shares[self.cp_rank]
-        positions = torch.cat(share.q_positions)
-        # New tokens' slots: my keys are in ascending position order, the new ones last.
-        new_slots = torch.cat(
-            [
-                slots[len(k_pos) - len(q_pos) :]
-                for slots, k_pos, q_pos in zip(share.k_slots, share.k_positions, share.q_positions)
-            ]
-        )
         # Which packed new-token rows give logits, and which rank computes each of them.
-        self._rows = _CPRows(owners, torch.tensor(step.logit_rows(), dtype=torch.int64), self.cp_size)
-        dev = self.device
-        ring = RingAttention(self.cp_group, shares, step.cp_algo, self.scale, dev)
-        ctx = RingAttentionContext(
-            self.kv_cache,
-            new_slots.to(dev),
-            self.all_reduce,
-            self.run_experts,
-            local_slots=torch.cat(share.k_slots).to(dev),
-            ring=ring,
+        self._rows = _CPRows(
+            ring_step.owners, torch.tensor(step.logit_rows(), dtype=torch.int64), self.cp_size
         )
         local_rows = self._rows.local_logit_rows(self.cp_rank)
-        return all_ids[mine].to(dev), positions.to(dev), ctx, local_rows.to(dev)
+        dev = self.device
+        ring = RingAttention(self.cp_group, ring_step, step.cp_algo, self.scale, dev)
+        # Every key this rank holds of the step's sequences, new ones included, packed per
+        # sequence in position order (what the ring's metadata counts).
+        my_keys = ring_step.keys[self.cp_rank].tolist()
+        key_slots = self.block_tables.key_slots(step.rows, my_keys, self.kv_cache.block_size)
+        ctx = RingAttentionContext(
+            self.kv_cache,
+            ring_step.slots[mine].to(dev),
+            self.all_reduce,
+            self.run_experts,
+            local_slots=key_slots,
+            ring=ring,
+        )
+        self.host_elements += (
+            step.cp.num_host_elements
+            + ring_step.host_elements
+            + 2 * len(all_ids)
+            + len(counts)
+            + 3 * len(self._rows.owners)
+            + 2 * len(step.rows)
+        )
+        return all_ids[mine].to(dev), ring_step.positions[mine].to(dev), ctx, local_rows.to(dev)
 
     def _prepare_local(self, step: StepInput, pending_tokens: torch.Tensor | None):
         """Per new token: id, position, row; per sequence: row, query bounds, length. One

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import itertools
 
 import torch
 
@@ -30,11 +29,8 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    _count = itertools.count()
-
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt=None):
         self.request_id = request_id
-        self.seq_index = next(Sequence._count)  # spreads sequences' decode blocks over CP ranks
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -4,6 +4,9 @@ Rank 0's scheduler gives each running sequence a row (`Scheduler.take_row`); eac
 sends only the blocks a row gained since the runners last saw it (`StepInput.table_updates`),
 and every rank applies them in place. So a step costs host work for its new tokens and
 blocks, never for a sequence's cached context.
+
+Under context parallelism a rank's table holds only its share: the local ids of the blocks
+it holds of the row's sequence, in logical order (the CP layout sends each rank its own).
 """
 
 from __future__ import annotations
@@ -20,9 +23,6 @@ class BlockTables:
         self.device = torch.device(device)
         self.tables = torch.zeros(max_rows + 1, max_blocks, dtype=torch.int32, device=device)
         self.tables[self.pad_row] = pad_block
-        # Host copy, kept only where the context-parallel layout still reads whole tables.
-        self.host: list[list[int]] = [[] for _ in range(max_rows)]
-        self.keep_host = False
 
     def apply(self, updates: list[tuple[int, int, list[int]]]) -> None:
         """updates: (row, first column, block ids) -> written in place, one device copy."""
@@ -33,10 +33,21 @@ class BlockTables:
             rows += [row] * len(new)
             cols += range(col, col + len(new))
             blocks += new
-            if self.keep_host:
-                self.host[row][col:] = new
         index = torch.tensor([rows, cols, blocks], dtype=torch.int64).to(self.device, non_blocking=True)
         self.tables[index[0], index[1]] = index[2].to(torch.int32)
+
+    def key_slots(self, rows: list[int], counts: list[int], block_size: int) -> torch.Tensor:
+        """[sum(counts)] int64 on the device: the slots of each row's first counts[i] keys,
+        packed row after row (under CP: every key this rank holds of each sequence, in
+        position order). Host work O(rows); the per-key index is made on the device."""
+        total = sum(counts)
+        host = torch.tensor([rows, counts], dtype=torch.int64).to(self.device, non_blocking=True)
+        row_d, count_d = host[0], host[1]
+        first = torch.cumsum(count_d, 0) - count_d  # [S] where each row's keys start
+        key_row = row_d.repeat_interleave(count_d, output_size=total)  # [K]
+        index = torch.arange(total, device=self.device) - first.repeat_interleave(count_d, output_size=total)
+        blocks = self.tables[key_row, index // block_size].long()
+        return blocks * block_size + index % block_size
 
 
 def fill_pending_tokens(ids: torch.Tensor, pending: list[tuple[int, int]], sampled: torch.Tensor) -> None:

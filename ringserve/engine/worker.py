@@ -88,7 +88,8 @@ class Worker:
     def _capture_graphs(self, ec: EngineConfig, groups: ParallelGroups) -> DecodeGraphs | None:
         """Decode graphs where every op of the step can be captured; eager otherwise."""
         if groups.cp_size > 1:
-            # The pass-Q ring's shares are planned on the host per step (issue: CP layout).
+            # The ring's metadata (RingStep: per-rank query and key counts, the attention
+            # plan) is made on the host each step, and its sizes change step to step.
             logger.info("context parallelism: decode runs eagerly (no CUDA graphs)")
             return None
         if groups.ep_size > 1:

@@ -1,8 +1,8 @@
 """Context parallelism: exact ring attention over a sequence-sharded, persistent KV cache.
 
 Every CP rank holds the whole model (or its TP shard) and the KV of the logical blocks
-placed on it (block_manager.place_blocks: load-balanced 2N chunks for a prefill, round
-robin for decode). In a step, rank k computes the new tokens whose blocks it holds, writes
+placed on it (cp_layout.place_blocks: load-balanced 2N chunks for a prefill, round robin
+for decode). In a step, rank k computes the new tokens whose blocks it holds, writes
 their KV into its cache, and attends them to every visible key of their sequences, wherever
 it lies, by one of two rings:
 
@@ -12,9 +12,9 @@ it lies, by one of two rings:
 - pass-Q: queries (with positions and sequences) travel; each rank attends them to its own
   KV; the partial outputs and LSEs go home in one all-to-all and are merged there.
 
-All ranks derive the same layout from the StepInput (every rank's queries and keys per
-sequence, with global positions), so no sizes are exchanged, and every message of a ring
-is padded to the largest rank's.
+All ranks derive the same RingStep from the step's CPStep (every rank's new tokens, and
+how many keys each rank holds of each sequence), so no sizes are exchanged, and every
+message of a ring is padded to the largest rank's.
 """
 
 from __future__ import annotations
@@ -28,30 +28,74 @@ import torch.distributed as dist
 from ringserve.attention import VarlenBatch, attention_rows
 from ringserve.lse_merge import merge_partials
 from ringserve.measurements import load_measurement
+from ringserve.parallel.cp_layout import CPStep
 
 logger = logging.getLogger(__name__)
 
 CP_ALGOS = ("auto", "pass_kv", "pass_q")
 
 
-@dataclass
-class RankShare:
-    """What one CP rank holds of a step: its new tokens (queries) and its keys, per sequence."""
+class RingStep:
+    """Every rank's queries and keys of one step, from the layout's CPStep, as host index
+    tensors: per new token (packed order) its sequence, owner rank, position and local slot;
+    per rank and sequence its queries and keys. O(new tokens + sequences x ranks) elements,
+    nothing per cached token: keys are only ever counted, never listed.
+    """
 
-    q_positions: list[torch.Tensor]  # per sequence: global positions of this rank's new tokens
-    k_positions: list[torch.Tensor]  # per sequence: positions of the keys (cached + new) it holds
-    k_slots: list[torch.Tensor]  # per sequence: local cache slots of those keys
+    def __init__(self, cp: CPStep, num_tokens: list[int], num_ranks: int):
+        self.num_ranks = num_ranks
+        runs = torch.tensor(cp.runs, dtype=torch.int64).reshape(-1, 5)  # [R, 5]
+        lengths = runs[:, 3]
+        total = sum(num_tokens)
+        run_start = torch.cumsum(lengths, 0) - lengths
+        offset = torch.arange(total) - run_start.repeat_interleave(lengths, output_size=total)
 
-    def varlen(self, keys: RankShare, device) -> VarlenBatch:
-        """The attention metadata of this rank's queries against `keys`' KV."""
-        q_lens = [len(p) for p in self.q_positions]
-        k_lens = [len(p) for p in keys.k_positions]
-        cu_q = [0]
-        cu_k = [0]
-        for a, b in zip(q_lens, k_lens):
-            cu_q.append(cu_q[-1] + a)
-            cu_k.append(cu_k[-1] + b)
-        q_positions, k_positions = torch.cat(self.q_positions), torch.cat(keys.k_positions)
+        def per_token(column):
+            return runs[:, column].repeat_interleave(lengths, output_size=total)
+
+        self.seq = per_token(0)  # [T] sequence of each new token
+        self.owners = per_token(1)  # [T] rank that computes it and holds its KV
+        self.positions = per_token(2) + offset  # [T] global positions
+        self.slots = per_token(4) + offset  # [T] local cache slots on the owner
+        num_seqs = len(num_tokens)
+        self._cached = torch.tensor(cp.cached_keys, dtype=torch.int64).reshape(num_ranks, num_seqs)
+        packed = torch.bincount(self.owners * num_seqs + self.seq, minlength=num_ranks * num_seqs)
+        self.queries = packed.reshape(num_ranks, num_seqs)  # [N, S] new tokens of each sequence on each rank
+        self.keys = self._cached + self.queries  # [N, S] keys each rank holds once the step's are written
+        # Per rank, read by every layer's ring: plain ints.
+        self._num_queries = self.queries.sum(1).tolist()
+        self._num_keys = self.keys.sum(1).tolist()
+        self._seq_start = torch.tensor([0, *num_tokens[:-1]], dtype=torch.int64).cumsum(0)  # [S] first token
+        self.host_elements = runs.numel() + 5 * total + 4 * self.keys.numel() + num_seqs
+        self._new_keys_before: dict[int, torch.Tensor] = {}
+
+    def num_queries(self, rank: int) -> int:
+        return self._num_queries[rank]
+
+    def num_keys(self, rank: int) -> int:
+        return self._num_keys[rank]
+
+    def _seen_new_keys(self, k_rank: int) -> torch.Tensor:
+        """[T] per new token, the new keys of its sequence on k_rank at or before it."""
+        if k_rank not in self._new_keys_before:
+            held = torch.cumsum(self.owners == k_rank, 0)
+            before_seq = (held - (self.owners == k_rank).long())[self._seq_start.clamp(max=len(held) - 1)]
+            self._new_keys_before[k_rank] = held - before_seq[self.seq]
+            self.host_elements += 3 * len(held)
+        return self._new_keys_before[k_rank]
+
+    def varlen(self, q_rank: int, k_rank: int, device) -> VarlenBatch:
+        """Attention metadata of q_rank's queries against k_rank's keys: each query sees the
+        keys of its sequence there up to its position (the cached ones and the new ones
+        at or before it; keys are packed per sequence in position order)."""
+        mine = self.owners == q_rank
+        seq = self.seq[mine]
+        seen = self._cached[k_rank][seq] + self._seen_new_keys(k_rank)[mine]
+        q_lens, k_lens = self.queries[q_rank], self.keys[k_rank]
+        cu_q = [0, *torch.cumsum(q_lens, 0).tolist()]
+        cu_k = [0, *torch.cumsum(k_lens, 0).tolist()]
+        q_positions = self.positions[mine]
+        self.host_elements += 3 * len(seq) + len(cu_q) + len(cu_k)
 
         def to_device(t):
             return t.to(device, non_blocking=True)
@@ -59,47 +103,16 @@ class RankShare:
         return VarlenBatch(
             cu_seqlens_q=to_device(torch.tensor(cu_q, dtype=torch.int32)),
             cu_seqlens_k=to_device(torch.tensor(cu_k, dtype=torch.int32)),
-            max_seqlen_q=max(q_lens, default=0),
-            max_seqlen_k=max(k_lens, default=0),
+            max_seqlen_q=int(q_lens.max()) if len(q_lens) else 0,
+            max_seqlen_k=int(k_lens.max()) if len(k_lens) else 0,
             q_positions=to_device(q_positions),
-            k_positions=to_device(k_positions),
+            k_positions=None,
             causal_suffix=False,
             q_bounds=cu_q,
             k_bounds=cu_k,
-            q_positions_host=q_positions,
-            k_positions_host=k_positions,
+            seen_keys=to_device(seen),
+            seen_keys_host=seen,
         )
-
-    @property
-    def num_queries(self) -> int:
-        return sum(len(p) for p in self.q_positions)
-
-    @property
-    def num_keys(self) -> int:
-        return sum(len(p) for p in self.k_positions)
-
-
-def split_step(token_counts, starts, block_tables, block_size: int, blocks_per_rank: int, cp_size: int):
-    """Every rank's share of a step, from the block tables (block b lives on rank b // blocks_per_rank).
-
-    Returns (shares per rank, owner per new token in packed order).
-    """
-    shares = [RankShare([], [], []) for _ in range(cp_size)]
-    owners = []
-    for count, start, table in zip(token_counts, starts, block_tables):
-        end = start + count
-        positions = torch.arange(end)
-        blocks = torch.tensor(table, dtype=torch.int64)[positions // block_size]
-        rank_of = blocks // blocks_per_rank
-        slots = (blocks % blocks_per_rank) * block_size + positions % block_size
-        new_owner = rank_of[start:]
-        owners.append(new_owner)
-        for r, share in enumerate(shares):
-            mine = rank_of == r
-            share.k_positions.append(positions[mine])
-            share.k_slots.append(slots[mine])
-            share.q_positions.append(positions[start:][new_owner == r])
-    return shares, torch.cat(owners) if owners else torch.empty(0, dtype=torch.int64)
 
 
 class RingAttention:
@@ -110,24 +123,25 @@ class RingAttention:
     # prompt over CP8 are 1 GiB each.
     max_partial_bytes = 512 << 20
 
-    def __init__(self, group, shares: list[RankShare], algo: str, scale: float, device):
+    def __init__(self, group, step: RingStep, algo: str, scale: float, device):
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.next_peer = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev_peer = dist.get_global_rank(group, (self.rank - 1) % self.size)
-        self.shares = shares
+        self.step = step
         self.algo = algo
         self.scale = scale
-        self.device = device
-        # (query rank, key rank) -> attention metadata, built once per step for all layers.
+        # (query rank, key rank) -> attention metadata, built once per step for all layers:
+        # pass-KV attends this rank's queries to every rank's keys, pass-Q every rank's
+        # queries to this rank's keys.
         self._batches = {}
+        for other in range(self.size):
+            pair = (self.rank, other) if algo == "pass_kv" else (other, self.rank)
+            self._batches[pair] = step.varlen(*pair, device)
 
     def _batch(self, q_rank: int, k_rank: int) -> VarlenBatch:
-        key = (q_rank, k_rank)
-        if key not in self._batches:
-            self._batches[key] = self.shares[q_rank].varlen(self.shares[k_rank], self.device)
-        return self._batches[key]
+        return self._batches[(q_rank, k_rank)]
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor):
         """Start sending `send` to the next rank and receiving into `recv` from the previous."""
@@ -143,7 +157,7 @@ class RingAttention:
         return self._pass_q(q, k_local, v_local)
 
     def _pass_kv(self, q, k_local, v_local):
-        longest = max(s.num_keys for s in self.shares)
+        longest = max(self.step.num_keys(r) for r in range(self.size))
         current = k_local.new_zeros(longest, 2, *k_local.shape[1:])  # K and V travel together
         current[: k_local.shape[0], 0] = k_local
         current[: k_local.shape[0], 1] = v_local
@@ -153,7 +167,7 @@ class RingAttention:
         for step in range(self.size):
             src = (self.rank - step) % self.size  # the rank this KV block started on
             pending = self._exchange(current, incoming) if step + 1 < self.size else []
-            n = self.shares[src].num_keys
+            n = self.step.num_keys(src)
             out, lse, first = attention_rows(
                 q, current[:n, 0], current[:n, 1], self._batch(self.rank, src), self.scale
             )
@@ -171,7 +185,7 @@ class RingAttention:
         return merge_partials(outs, lses, first_rows, rows, out_dtype=q.dtype)[0]
 
     def _pass_q(self, q, k_local, v_local):
-        longest = max(s.num_queries for s in self.shares)
+        longest = max(self.step.num_queries(r) for r in range(self.size))
         current = q.new_zeros(longest, *q.shape[1:])
         current[: q.shape[0]] = q
         incoming = torch.empty_like(current)
@@ -180,7 +194,7 @@ class RingAttention:
         for step in range(self.size):
             src = (self.rank - step) % self.size  # whose queries these are
             pending = self._exchange(current, incoming) if step + 1 < self.size else []
-            n = self.shares[src].num_queries
+            n = self.step.num_queries(src)
             out, lse, first = attention_rows(
                 current[:n], k_local, v_local, self._batch(src, self.rank), self.scale
             )

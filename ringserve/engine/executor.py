@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing import forkserver
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,9 @@ class LocalExecutor:
     def execute(self, step: StepInput, all_logits: bool = False) -> torch.Tensor:
         return self.worker.execute(step, all_logits)
 
+    def check_health(self) -> None:
+        """Nothing to check: the only rank is this process."""
+
     def close(self) -> None:
         self.worker = None
 
@@ -94,13 +98,15 @@ def torchrun_env() -> tuple[int, int, int] | None:
     return None
 
 
-def _join(spec: WorkerSpec, rank: int, world_size: int, local_rank: int, init_method: str) -> ParallelGroups:
+def _join(
+    spec: WorkerSpec, rank: int, world_size: int, local_rank: int, init_method: str, check_peers=None
+) -> ParallelGroups:
     if spec.parallel.ranks_per_host is None and "LOCAL_WORLD_SIZE" in os.environ:
         # torchrun knows the hosts: an EP group spanning them goes two-shot.
         local = int(os.environ["LOCAL_WORLD_SIZE"])
         spec.parallel.ranks_per_host = local if local < world_size else None
     groups = init_groups(
-        spec.parallel, rank, world_size, spec.device(local_rank), init_method, spec.timeout_s
+        spec.parallel, rank, world_size, spec.device(local_rank), init_method, spec.timeout_s, check_peers
     )
     groups.control_group = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     return groups
@@ -134,9 +140,31 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
+def _start_forkserver_ignoring_sigint() -> None:
+    """Start the forkserver (if not yet running) with SIGINT ignored.
+
+    A process inherits an ignored signal through fork and exec, so every rank the forkserver
+    forks ignores Ctrl-C from its first instruction: a rank interrupted while it starts up
+    would leave rank 0 waiting in the rendezvous until the timeout. (A Ctrl-C in the few
+    milliseconds this takes is lost.)
+    """
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()  # signal.signal works only in the main thread
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _child_main(
     rank: int, world_size: int, init_method: str, spec: WorkerSpec, parent_pid: int, errors
 ) -> None:
+    # Ctrl-C in a terminal reaches every process of its group. Rank 0 alone decides how the
+    # world stops: a rank that left on its own mid-collective would leave the others waiting
+    # out the timeout. Rank 0 ends this process with SIGTERM when it cannot stop it in step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if spec.device_type == "cpu":
         torch.set_num_threads(1)  # several ranks share the host's cores
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
@@ -146,8 +174,9 @@ def _child_main(
         dist.destroy_process_group()
     except BaseException as e:
         errors.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
-        os._exit(1)
-    os._exit(0)
+        sys.exit(1)
+    # Returning (rather than os._exit) lets multiprocessing run this process's exit
+    # finalizers, which unlink any semaphore it made (else resource_tracker warns of a leak).
 
 
 class MultiprocessExecutor:
@@ -158,6 +187,9 @@ class MultiprocessExecutor:
         self.procs: list = []
         self.errors = None
         self.closed = False
+        # True from sending a step until rank 0's share of it returns: the other ranks may
+        # then be inside the step's collectives, where a "stop" message cannot reach them.
+        self.in_step = False
         env = torchrun_env()
         try:
             if env is not None:
@@ -168,16 +200,20 @@ class MultiprocessExecutor:
                 world_size = spec.parallel.world_size
                 init_method = f"tcp://127.0.0.1:{free_port()}"
                 self._start_children(world_size, init_method)
-                groups = _join(spec, 0, world_size, 0, init_method)
+                groups = _join(spec, 0, world_size, 0, init_method, self._check_started)
             self.groups = groups
             self.worker = spec.build_worker(groups, show_progress)
         except Exception as e:
             self._fail(e, "while starting")
+        except BaseException:  # Ctrl-C while the ranks start: stop them, then let it through
+            self._shutdown(graceful=False)
+            raise
         self.num_blocks = self.worker.num_blocks
 
     def _start_children(self, world_size: int, init_method: str) -> None:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "ringserve.engine.executor"])
+        _start_forkserver_ignoring_sigint()
         self.errors = ctx.SimpleQueue()
         for rank in range(1, world_size):
             proc = ctx.Process(
@@ -189,17 +225,31 @@ class MultiprocessExecutor:
             proc.start()
             self.procs.append(proc)
 
+    def _check_started(self) -> None:
+        if any(not proc.is_alive() for proc in self.procs):
+            raise WorkerError("a rank exited before joining")
+
     def _send(self, message) -> None:
         broadcast_object(message, src=0, group=self.groups.control_group, timeout_s=self.spec.timeout_s)
 
-    def execute(self, step: StepInput, all_logits: bool = False) -> torch.Tensor:
+    def check_health(self) -> None:
+        """Raise WorkerError (after stopping the world) when a local rank has exited."""
         if self.closed:
             raise WorkerError("the parallel workers have been shut down")
+        if any(not proc.is_alive() for proc in self.procs):
+            self._fail(WorkerError("a rank exited"), "between steps")
+
+    def execute(self, step: StepInput, all_logits: bool = False) -> torch.Tensor:
+        self.check_health()  # a dead rank fails here, not in a collective that waits for it
+        self.in_step = True
         try:
             self._send(("step", step, all_logits))
-            return self.worker.execute(step, all_logits)
+            logits = self.worker.execute(step, all_logits)
         except Exception as e:
             self._fail(e, "during a step")
+        # A KeyboardInterrupt skips this: in_step stays set and close() stops the ranks hard.
+        self.in_step = False
+        return logits
 
     def _fail(self, cause: Exception, when: str):
         """Explain which rank failed, stop every rank, and raise WorkerError."""
@@ -239,25 +289,43 @@ class MultiprocessExecutor:
 
     def _shutdown(self, graceful: bool) -> None:
         self.closed = True
-        if graceful:
-            try:
-                self._send(("stop",))
-            except Exception:
-                graceful = False
-        for proc in self.procs:
-            proc.join(timeout=5 if graceful else 0.5)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=2)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
         try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # a broken world may not tear down cleanly; the processes are gone
-            pass
+            if graceful:
+                try:
+                    self._send(("stop",))
+                except Exception:
+                    graceful = False
+        finally:  # even when a second Ctrl-C lands here: no rank outlives this call
+            self._stop_processes(grace_s=5.0 if graceful else 0.0)
+            if self.errors is not None:
+                self.errors.close()
+            try:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            except Exception:  # a broken world may not tear down cleanly; the processes are gone
+                pass
+
+    def _stop_processes(self, grace_s: float) -> None:
+        """Give the ranks grace_s to exit on their own, then SIGTERM them (they ignore SIGINT;
+        SIGTERM ends a rank even inside a collective), then SIGKILL what is left."""
+        try:
+            deadline = time.monotonic() + grace_s
+            for proc in self.procs:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            for proc in self.procs:
+                if proc.is_alive():
+                    proc.terminate()
+            deadline = time.monotonic() + 2.0
+            for proc in self.procs:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            for proc in self.procs:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
 
     def close(self) -> None:
         if not self.closed:
-            self._shutdown(graceful=True)
+            # Interrupted inside a step, the other ranks may be waiting in a collective that
+            # rank 0 will never finish: a "stop" message would only wait out the timeout.
+            self._shutdown(graceful=not self.in_step)

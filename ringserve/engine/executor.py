@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 
 import torch
 import torch.distributed as dist
@@ -140,22 +140,20 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def _start_forkserver_ignoring_sigint() -> None:
-    """Start the forkserver (if not yet running) with SIGINT ignored.
+def _start_forkserver_deaf_to_ctrl_c() -> None:
+    """Start the forkserver (if not yet running) with SIGINT blocked.
 
-    A process inherits an ignored signal through fork and exec, so every rank the forkserver
-    forks ignores Ctrl-C from its first instruction: a rank interrupted while it starts up
-    would leave rank 0 waiting in the rendezvous until the timeout. (A Ctrl-C in the few
-    milliseconds this takes is lost.)
+    The signal mask is inherited through fork and exec, so the forkserver and every rank it
+    forks are deaf to Ctrl-C (which a terminal sends to the whole process group) from their
+    first instruction: a rank interrupted while it starts would leave rank 0 waiting in the
+    rendezvous. A Ctrl-C that comes meanwhile waits in rank 0 until the mask is restored.
     """
-    if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()  # signal.signal works only in the main thread
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    resource_tracker.ensure_running()  # first: starting its process unblocks SIGINT again
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _child_main(
@@ -164,6 +162,7 @@ def _child_main(
     # Ctrl-C in a terminal reaches every process of its group. Rank 0 alone decides how the
     # world stops: a rank that left on its own mid-collective would leave the others waiting
     # out the timeout. Rank 0 ends this process with SIGTERM when it cannot stop it in step.
+    # (SIGINT is blocked already when rank 0 started the forkserver; ignored also when not.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if spec.device_type == "cpu":
         torch.set_num_threads(1)  # several ranks share the host's cores
@@ -213,7 +212,7 @@ class MultiprocessExecutor:
     def _start_children(self, world_size: int, init_method: str) -> None:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "ringserve.engine.executor"])
-        _start_forkserver_ignoring_sigint()
+        _start_forkserver_deaf_to_ctrl_c()
         self.errors = ctx.SimpleQueue()
         for rank in range(1, world_size):
             proc = ctx.Process(
@@ -318,7 +317,7 @@ class MultiprocessExecutor:
             deadline = time.monotonic() + 2.0
             for proc in self.procs:
                 proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        finally:
+        finally:  # also when a second Ctrl-C cuts the grace short
             for proc in self.procs:
                 if proc.is_alive():
                     proc.kill()

@@ -148,6 +148,29 @@ def test_ctrl_c_ends_every_rank_within_seconds_quietly(parallel, moment):
         assert text == b""  # it was interrupted before the first token
 
 
+def test_an_interrupted_step_stops_the_ranks_at_once(tiny_model_dir):
+    """In Python (a notebook's interrupt): the world cannot step again, and says so."""
+    from ringserve import LLM, SamplingParams
+    from ringserve.engine.executor import WorkerError
+
+    llm = LLM(tiny_model_dir("llama"), device="cpu", dtype="float32", tp=2, timeout_s=30)
+    executor = llm.engine.executor
+    (rank1,) = executor.procs
+
+    def interrupted(step, all_logits=False):
+        raise KeyboardInterrupt  # in rank 0's share of the step: rank 1 waits in a collective
+
+    executor.worker.execute = interrupted
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    assert not rank1.is_alive()
+    with pytest.raises(WorkerError, match="shut down"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    llm.close()
+    assert time.monotonic() - started < 10  # not the 30 s collective timeout
+
+
 def test_parallel_run_leaks_no_semaphore():
     done = _start(["generate", *ENGINE, "--tp", "3", "--max-tokens", "2", "hi"], stderr=subprocess.PIPE)
     try:

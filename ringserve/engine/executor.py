@@ -186,9 +186,6 @@ class MultiprocessExecutor:
         self.procs: list = []
         self.errors = None
         self.closed = False
-        # True from sending a step until rank 0's share of it returns: the other ranks may
-        # then be inside the step's collectives, where a "stop" message cannot reach them.
-        self.in_step = False
         env = torchrun_env()
         try:
             if env is not None:
@@ -240,15 +237,17 @@ class MultiprocessExecutor:
 
     def execute(self, step: StepInput, all_logits: bool = False) -> torch.Tensor:
         self.check_health()  # a dead rank fails here, not in a collective that waits for it
-        self.in_step = True
         try:
             self._send(("step", step, all_logits))
-            logits = self.worker.execute(step, all_logits)
+            return self.worker.execute(step, all_logits)
         except Exception as e:
             self._fail(e, "during a step")
-        # A KeyboardInterrupt skips this: in_step stays set and close() stops the ranks hard.
-        self.in_step = False
-        return logits
+        except BaseException:
+            # Interrupted (Ctrl-C) mid-step: the other ranks may be inside a collective this
+            # rank will never finish. A "stop" message could not reach them (close() would
+            # wait out the timeout) and the world cannot step again: stop the ranks now.
+            self._shutdown(graceful=False)
+            raise
 
     def _fail(self, cause: Exception, when: str):
         """Explain which rank failed, stop every rank, and raise WorkerError."""
@@ -325,6 +324,4 @@ class MultiprocessExecutor:
 
     def close(self) -> None:
         if not self.closed:
-            # Interrupted inside a step, the other ranks may be waiting in a collective that
-            # rank 0 will never finish: a "stop" message would only wait out the timeout.
-            self._shutdown(graceful=not self.in_step)
+            self._shutdown(graceful=True)

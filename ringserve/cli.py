@@ -195,6 +195,10 @@ def _generate(args) -> int:
         except RingserveError as e:
             print(f"\nerror: {e}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            if first_token is not None and len(prompts) == 1:
+                sys.stdout.write("\n")  # end the streamed text's line before main says why
+            raise
         end = time.perf_counter()
         if len(prompts) == 1:
             sys.stdout.write("\n")
@@ -250,6 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = {0: logging.WARNING, 1: logging.INFO}.get(getattr(args, "verbose", 0), logging.DEBUG)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # the engine has stopped every rank on its way out
+        print("interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
+
+
+def _run(args) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve":

@@ -177,7 +177,9 @@ def load_weights(
     filled: dict[str, set] = {}
     from tqdm import tqdm
 
-    progress = tqdm(total=len(expected), desc="Loading weights", unit="tensor", disable=not show_progress)
+    # No bar object unless it is shown: tqdm makes a multiprocessing lock even when disabled,
+    # and a parallel rank that is stopped by a signal would leave that semaphore behind.
+    progress = tqdm(total=len(expected), desc="Loading weights", unit="tensor") if show_progress else None
     source = _memory_tensors(tensors) if tensors is not None else _file_tensors(folder)
     for name, origin, read in source:
         if _IGNORED.search(name):
@@ -218,9 +220,10 @@ def load_weights(
         target.copy_(tensor)
         done = filled.setdefault(param_name, set())
         done.add(expert)
-        if expert is None or len(done) == param.shape[0]:
+        if progress is not None and (expert is None or len(done) == param.shape[0]):
             progress.update(1)
-    progress.close()
+    if progress is not None:
+        progress.close()
     stacked = {
         f"{module_name}.{p}"
         for module_name, module in model.named_modules()

@@ -446,6 +446,7 @@ class FakeEngine:
         self.scheduler = SimpleNamespace(running=[], waiting=[])
         self.block_manager = SimpleNamespace(num_free_blocks=8, num_blocks=8)
         self.num_preemptions, self.cp_steps = 0, {}
+        self.dead: BaseException | None = None  # what check_health raises (a rank died)
 
     def tokenize(self, prompt, chat=False):
         return list(prompt)
@@ -465,6 +466,10 @@ class FakeEngine:
 
     def abort(self, request_id):
         pass
+
+    def check_health(self):
+        if self.dead is not None:
+            raise self.dead
 
     def close(self):
         self.closed = True
@@ -501,6 +506,27 @@ def test_worker_error_is_fatal():
 
     asyncio.run(main())
     assert len(fatal) == 1 and "rank 1 died" in str(fatal[0])
+
+
+def test_rank_death_while_idle_is_fatal_without_a_request():
+    from ringserve.engine.executor import WorkerError
+
+    fatal = []
+    engine = FakeEngine(RuntimeError("never stepped"))
+
+    async def main():
+        ae = AsyncEngine(engine, on_fatal=fatal.append)
+        ae.start()
+        assert ae.healthy
+        engine.dead = WorkerError("rank 2 (pid 7) was killed by SIGKILL")
+        deadline = time.monotonic() + 5
+        while not fatal and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert ae.fatal and not ae.healthy
+        await ae.stop()
+
+    asyncio.run(main())
+    assert len(fatal) == 1 and "rank 2" in str(fatal[0])
 
 
 def test_worker_error_ends_the_server_with_exit_code_1():

@@ -22,6 +22,7 @@ from ringserve.engine.detokenizer import IncrementalDetokenizer
 from ringserve.engine.executor import (
     LocalExecutor,
     MultiprocessExecutor,
+    WorkerError,
     WorkerSpec,
     run_torchrun_rank,
     torchrun_env,
@@ -146,7 +147,13 @@ class LLMEngine:
         self.parallel = options.parallel_config()
         self.cp_algo = options.cp_algo
         self.show_progress = options.resolved_show_progress()
-        self._start(weights)
+        self.executor = None
+        try:
+            self._start(weights)
+        except BaseException:  # e.g. Ctrl-C while loading the tokenizer: no rank outlives it
+            if self.executor is not None:
+                self.executor.close()
+            raise
 
     def _start(self, weights: Mapping[str, torch.Tensor] | None) -> None:
         """Load the model and start the ranks, the KV cache and the scheduler."""
@@ -481,6 +488,12 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    def check_health(self) -> None:
+        """Raise WorkerError when a parallel rank has died (the world is then shut down)."""
+        if self.executor is None:
+            raise WorkerError("the engine is closed")
+        self.executor.check_health()
 
     def close(self) -> None:
         for request_id in list(self.seqs):

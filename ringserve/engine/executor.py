@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing import forkserver, resource_tracker
 
 import torch
 import torch.distributed as dist
@@ -85,6 +86,9 @@ class LocalExecutor:
     ) -> torch.Tensor:
         return self.worker.execute(step, all_logits, pending_tokens)
 
+    def check_health(self) -> None:
+        """Nothing to check: the only rank is this process."""
+
     def close(self) -> None:
         self.worker = None
 
@@ -96,13 +100,15 @@ def torchrun_env() -> tuple[int, int, int] | None:
     return None
 
 
-def _join(spec: WorkerSpec, rank: int, world_size: int, local_rank: int, init_method: str) -> ParallelGroups:
+def _join(
+    spec: WorkerSpec, rank: int, world_size: int, local_rank: int, init_method: str, check_peers=None
+) -> ParallelGroups:
     if spec.parallel.ranks_per_host is None and "LOCAL_WORLD_SIZE" in os.environ:
         # torchrun knows the hosts: an EP group spanning them goes two-shot.
         local = int(os.environ["LOCAL_WORLD_SIZE"])
         spec.parallel.ranks_per_host = local if local < world_size else None
     groups = init_groups(
-        spec.parallel, rank, world_size, spec.device(local_rank), init_method, spec.timeout_s
+        spec.parallel, rank, world_size, spec.device(local_rank), init_method, spec.timeout_s, check_peers
     )
     groups.control_group = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     return groups
@@ -136,9 +142,30 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
+def _start_forkserver_deaf_to_ctrl_c() -> None:
+    """Start the forkserver (if not yet running) with SIGINT blocked.
+
+    The signal mask is inherited through fork and exec, so the forkserver and every rank it
+    forks are deaf to Ctrl-C (which a terminal sends to the whole process group) from their
+    first instruction: a rank interrupted while it starts would leave rank 0 waiting in the
+    rendezvous. A Ctrl-C that comes meanwhile waits in rank 0 until the mask is restored.
+    """
+    resource_tracker.ensure_running()  # first: starting its process unblocks SIGINT again
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _child_main(
     rank: int, world_size: int, init_method: str, spec: WorkerSpec, parent_pid: int, errors
 ) -> None:
+    # Ctrl-C in a terminal reaches every process of its group. Rank 0 alone decides how the
+    # world stops: a rank that left on its own mid-collective would leave the others waiting
+    # out the timeout. Rank 0 ends this process with SIGTERM when it cannot stop it in step.
+    # (SIGINT is blocked already when rank 0 started the forkserver; ignored also when not.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if spec.device_type == "cpu":
         torch.set_num_threads(1)  # several ranks share the host's cores
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
@@ -148,8 +175,9 @@ def _child_main(
         dist.destroy_process_group()
     except BaseException as e:
         errors.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
-        os._exit(1)
-    os._exit(0)
+        sys.exit(1)
+    # Returning (rather than os._exit) lets multiprocessing run this process's exit
+    # finalizers, which unlink any semaphore it made (else resource_tracker warns of a leak).
 
 
 class MultiprocessExecutor:
@@ -170,16 +198,20 @@ class MultiprocessExecutor:
                 world_size = spec.parallel.world_size
                 init_method = f"tcp://127.0.0.1:{free_port()}"
                 self._start_children(world_size, init_method)
-                groups = _join(spec, 0, world_size, 0, init_method)
+                groups = _join(spec, 0, world_size, 0, init_method, self._check_started)
             self.groups = groups
             self.worker = spec.build_worker(groups, show_progress)
         except Exception as e:
             self._fail(e, "while starting")
+        except BaseException:  # Ctrl-C while the ranks start: stop them, then let it through
+            self._shutdown(graceful=False)
+            raise
         self.num_blocks = self.worker.num_blocks
 
     def _start_children(self, world_size: int, init_method: str) -> None:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "ringserve.engine.executor"])
+        _start_forkserver_deaf_to_ctrl_c()
         self.errors = ctx.SimpleQueue()
         for rank in range(1, world_size):
             proc = ctx.Process(
@@ -191,21 +223,37 @@ class MultiprocessExecutor:
             proc.start()
             self.procs.append(proc)
 
+    def _check_started(self) -> None:
+        if any(not proc.is_alive() for proc in self.procs):
+            raise WorkerError("a rank exited before joining")
+
     def _send(self, message) -> None:
         broadcast_object(message, src=0, group=self.groups.control_group, timeout_s=self.spec.timeout_s)
+
+    def check_health(self) -> None:
+        """Raise WorkerError (after stopping the world) when a local rank has exited."""
+        if self.closed:
+            raise WorkerError("the parallel workers have been shut down")
+        if any(not proc.is_alive() for proc in self.procs):
+            self._fail(WorkerError("a rank exited"), "between steps")
 
     def execute(
         self, step: StepInput, all_logits: bool = False, pending_tokens: torch.Tensor | None = None
     ) -> torch.Tensor:
         if pending_tokens is not None:  # the other ranks could not see them
             raise ValueError("tokens pending on the device (async scheduling) need one rank")
-        if self.closed:
-            raise WorkerError("the parallel workers have been shut down")
+        self.check_health()  # a dead rank fails here, not in a collective that waits for it
         try:
             self._send(("step", step, all_logits))
             return self.worker.execute(step, all_logits)
         except Exception as e:
             self._fail(e, "during a step")
+        except BaseException:
+            # Interrupted (Ctrl-C) mid-step: the other ranks may be inside a collective this
+            # rank will never finish. A "stop" message could not reach them (close() would
+            # wait out the timeout) and the world cannot step again: stop the ranks now.
+            self._shutdown(graceful=False)
+            raise
 
     def _fail(self, cause: Exception, when: str):
         """Explain which rank failed, stop every rank, and raise WorkerError."""
@@ -245,24 +293,40 @@ class MultiprocessExecutor:
 
     def _shutdown(self, graceful: bool) -> None:
         self.closed = True
-        if graceful:
-            try:
-                self._send(("stop",))
-            except Exception:
-                graceful = False
-        for proc in self.procs:
-            proc.join(timeout=5 if graceful else 0.5)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=2)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
         try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # a broken world may not tear down cleanly; the processes are gone
-            pass
+            if graceful:
+                try:
+                    self._send(("stop",))
+                except Exception:
+                    graceful = False
+        finally:  # even when a second Ctrl-C lands here: no rank outlives this call
+            self._stop_processes(grace_s=5.0 if graceful else 0.0)
+            if self.errors is not None:
+                self.errors.close()
+            try:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            except Exception:  # a broken world may not tear down cleanly; the processes are gone
+                pass
+
+    def _stop_processes(self, grace_s: float) -> None:
+        """Give the ranks grace_s to exit on their own, then SIGTERM them (they ignore SIGINT;
+        SIGTERM ends a rank even inside a collective), then SIGKILL what is left."""
+        try:
+            deadline = time.monotonic() + grace_s
+            for proc in self.procs:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            for proc in self.procs:
+                if proc.is_alive():
+                    proc.terminate()
+            deadline = time.monotonic() + 2.0
+            for proc in self.procs:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        finally:  # also when a second Ctrl-C cuts the grace short
+            for proc in self.procs:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
 
     def close(self) -> None:
         if not self.closed:

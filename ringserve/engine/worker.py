@@ -13,6 +13,7 @@ from ringserve.engine.graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from ringserve.engine.kv_cache import KVCache
 from ringserve.engine.runner import ModelRunner, StepInput
 from ringserve.parallel.allreduce import AllReduce
+from ringserve.parallel.comm import wait_interruptibly
 from ringserve.parallel.ep import ExpertParallel, LocalExperts
 from ringserve.parallel.mesh import ParallelGroups
 from ringserve.parallel.tp import TensorParallelPlan, validate_tp
@@ -122,7 +123,10 @@ class Worker:
             num_blocks = max(0, min(budget // per_block, most))
         if self.groups.world_size > 1:
             agreed = torch.tensor([num_blocks], dtype=torch.int64)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.groups.control_group)
+            # Rank 0 waits here for the slowest rank's loading: a wait Ctrl-C can end.
+            wait_interruptibly(
+                dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.groups.control_group, async_op=True)
+            )
             num_blocks = int(agreed.item())
         capacity = num_blocks * ec.block_size * self.groups.cp_size  # CP ranks each hold a share
         if capacity < max_model_len:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -36,6 +38,14 @@ def broadcast_object(obj, src: int, group, timeout_s: float | None = None):
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
     _wait(dist.broadcast(payload, src=src, group=group, async_op=True), timeout)
     return obj if sending else pickle.loads(payload.numpy().tobytes())
+
+
+def wait_interruptibly(work, poll_s: float = 0.01) -> None:
+    """Wait for an async collective in Python: signals (Ctrl-C) are handled while it runs,
+    where a blocking work.wait() holds them off until the slowest rank arrives."""
+    while not work.is_completed():
+        time.sleep(poll_s)
+    work.wait()  # raises the collective's error, if any
 
 
 def _wait(work, timeout) -> None:

@@ -8,8 +8,8 @@ a timeout so a broken collective fails instead of hanging.
 from __future__ import annotations
 
 import datetime
-import os
 import socket
+import sys
 import traceback
 
 import torch
@@ -41,7 +41,9 @@ def _rank_main(fn, rank, world_size, init_method, device_type, timeout_s, args, 
         results.put((rank, True, value))
     except BaseException as e:
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        os._exit(1)
+        # Not os._exit: the put is written by the queue's feeder thread, which multiprocessing
+        # flushes on its way out (os._exit lost the report: the caller waited out the timeout).
+        sys.exit(1)
 
 
 def run_local_world(fn, world_size: int, *args, device_type: str = "cpu", timeout_s: float = 60.0) -> list:

@@ -7,6 +7,8 @@ is a block of consecutive ranks (one host) and CP runs across hosts, as in the p
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +41,24 @@ class ParallelGroups:
 
 
 _JOIN_TIMEOUT_S = 30.0
+_JOINED = "ringserve/joined/"  # + rank: a store key each rank sets once it is connected
+
+
+def _wait_for_peers(store, world_size: int, timeout_s: float, check_peers) -> None:
+    """Rank 0 waits here, in Python, until every other rank has connected to the store.
+
+    Not in TCPStore's own wait: inside that C++ call no signal is handled, so a Ctrl-C while
+    the ranks start would wait for the slowest of them, and a rank that died would be
+    noticed only at the timeout.
+    """
+    keys = [f"{_JOINED}{r}" for r in range(1, world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if check_peers is not None:
+            check_peers()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank joined within {timeout_s:.0f} s")
+        time.sleep(0.02)
 
 
 def init_groups(
@@ -48,8 +68,13 @@ def init_groups(
     device: torch.device,
     init_method: str,
     timeout_s: float,
+    check_peers: Callable[[], None] | None = None,
 ) -> ParallelGroups:
-    """Join the world (gloo on CPU, NCCL on CUDA) and build the mesh and its groups."""
+    """Join the world (gloo on CPU, NCCL on CUDA) and build the mesh and its groups.
+
+    check_peers: rank 0's check, while it waits for the others to join, that they are still
+    starting (it raises for one that died).
+    """
     if world_size != parallel.world_size:
         raise ValueError(
             f"{world_size} processes were started, but tp={parallel.tp} x cp={parallel.cp} "
@@ -67,7 +92,13 @@ def init_groups(
         # not hung, so the rendezvous may wait longer than a step's collectives do.
         host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
         join_timeout = datetime.timedelta(seconds=max(timeout_s, _JOIN_TIMEOUT_S))
-        store = dist.TCPStore(host, int(port), world_size, rank == 0, timeout=join_timeout)
+        store = dist.TCPStore(
+            host, int(port), world_size, rank == 0, timeout=join_timeout, wait_for_workers=False
+        )
+        if rank == 0:
+            _wait_for_peers(store, world_size, join_timeout.total_seconds(), check_peers)
+        else:
+            store.set(f"{_JOINED}{rank}", "1")
         init_method = None
     dist.init_process_group(
         backend,

@@ -24,6 +24,8 @@ from ringserve.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
+_IDLE_HEALTH_CHECK_S = 0.5  # how often an idle engine loop checks that every rank is alive
+
 
 class EngineDeadError(RingserveError):
     """The engine loop stopped on an error: the request cannot be served (HTTP 500)."""
@@ -198,7 +200,7 @@ class AsyncEngine:
                 commands = []
                 if not engine.has_unfinished():
                     self._update_gauges(timings)
-                    commands.append(self.commands.get())  # idle: sleep until a command
+                    commands.append(self._next_command())  # idle: sleep until a command
                 while True:
                     try:
                         commands.append(self.commands.get_nowait())
@@ -239,6 +241,15 @@ class AsyncEngine:
                     engine.close()
             except Exception:
                 logger.exception("closing the engine failed")
+
+    def _next_command(self):
+        """Block until a command comes, checking the ranks meanwhile: one that dies while the
+        server idles fails /health (and stops the server) now, not at the next request."""
+        while True:
+            try:
+                return self.commands.get(timeout=_IDLE_HEALTH_CHECK_S)
+            except queue.Empty:
+                self.engine.check_health()
 
     def _call(self, fn, *args) -> None:
         try:

@@ -6,11 +6,13 @@ from dataclasses import dataclass, field
 
 from ringserve.errors import RequestError
 
+_GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
+
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16  # new tokens at most; 0: only the prefill (e.g. for prompt_logprobs)
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # 0 (below 1e-5): greedy
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # keep the k likeliest tokens; 0 or -1: all
     seed: int | None = None  # same seed, same prompt, same output
@@ -51,4 +53,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # As vLLM: a temperature this small is greedy; dividing logits by it overflows float32
+        # (1e-300 is 0 there), and the NaN rows would sample an arbitrary token.
+        return self.temperature < _GREEDY_BELOW

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
-import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -113,13 +110,7 @@ def _threads():
 KEY = "test-key"
 NAME = "smol"
 MAX_MODEL_LEN = 512
-MAX_WAITING = 96
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+MAX_WAITING = 256  # 200 concurrent streams wait at once
 
 
 @pytest.fixture(scope="module")
@@ -128,36 +119,27 @@ def live():
     test module; its API key is KEY and its model NAME."""
     import httpx2 as httpx
     import openai
-    import uvicorn
 
     from ringserve.config import EngineConfig
     from ringserve.engine.engine import LLMEngine
     from ringserve.server import build_app
 
+    from helpers import serve_in_thread
+
     engine = LLMEngine(
         None, device="cpu", dtype="float32", engine_config=EngineConfig(max_model_len=MAX_MODEL_LEN)
     )
     app = build_app(engine, NAME, api_key=KEY, max_waiting=MAX_WAITING)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
-    yield SimpleNamespace(
-        url=url,
-        engine=engine,
-        app=app,
-        client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0),
-        aclient=lambda: openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0),
-        http=httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60),
-        idle_free_blocks=engine.block_manager.num_blocks,
-    )
-    server.should_exit = True
-    thread.join(30)
+    with serve_in_thread(app) as url:
+        yield SimpleNamespace(
+            url=url,
+            engine=engine,
+            app=app,
+            client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0),
+            aclient=lambda: openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0),
+            http=httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60),
+            idle_free_blocks=engine.block_manager.num_blocks,
+        )
     assert engine.executor is None  # the lifespan closed the engine
 
 

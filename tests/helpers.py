@@ -1,6 +1,12 @@
-"""Test helpers that drive the engine's pieces directly."""
+"""Test helpers that drive the engine's pieces directly, and a live server on a free port."""
 
 from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
 
 import torch
 
@@ -72,3 +78,29 @@ def ring_step(starts: list[int], totals: list[int], block_size: int, cp: int):
         for seq, total in zip(seqs, totals)
     ]
     return step, layout, key_positions
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, timeout_s: float = 60.0) -> Iterator[str]:
+    """Serve an ASGI app with uvicorn in a thread of this process (so tests can look at its
+    engine) on a free local port; yields its base URL, stops it on exit."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,8 @@ import time
 
 import httpx2 as httpx
 import pytest
+
+from helpers import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = ["--device", "cpu", "--dtype", "float32"]
@@ -186,14 +187,8 @@ def test_parallel_run_leaks_no_semaphore():
 # Servers ------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(parallel: list[str], log) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     args = ["serve", *ENGINE, *parallel, "--port", str(port), "--max-model-len", "256", "--timeout", "20"]
     proc = _start(args, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -182,6 +182,16 @@ def test_filtering_per_row_matches_reference():
     assert int(torch.isfinite(got[6]).sum()) == 1
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-40, 1e-300, 5e-324])
+def test_a_tiny_temperature_is_greedy(temperature):
+    # found by fuzzing the server: 1e-300 is 0 in float32, so logits / temperature were NaN
+    # and every seed drew the same arbitrary token
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=temperature, seed=seed) for seed in range(4)]
+    assert all(p.greedy for p in params)
+    assert [sample(logits, [make_seq(p)])[0] for p in params] == [int(logits.argmax())] * 4
+
+
 def test_seed_reproduces_and_seeds_differ():
     logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=1.0, seed=42)

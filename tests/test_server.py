@@ -9,12 +9,14 @@ KV cache) on a tiny random model.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import httpx2 as httpx
@@ -29,7 +31,8 @@ from ringserve.errors import RequestError, RequestTooLargeError
 from ringserve.server import build_app
 from ringserve.server.async_engine import AsyncEngine, EngineDeadError
 
-from conftest import KEY, MAX_MODEL_LEN, MAX_WAITING, NAME, free_port, scrape_metrics
+from conftest import KEY, MAX_MODEL_LEN, MAX_WAITING, NAME, scrape_metrics
+from helpers import free_port, serve_in_thread
 
 
 def _wait_idle(live, timeout=10.0):
@@ -283,23 +286,23 @@ PROMPTS = [
 
 
 def test_concurrent_streams_are_not_lost_or_crossed(live):
-    alone = {p: _alone(live, p) for p in PROMPTS}
+    alone = {p: _alone(live, p, 8) for p in PROMPTS}
 
     async def one(client, prompt):
         stream = await client.completions.create(
-            model=NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True
+            model=NAME, prompt=prompt, max_tokens=8, temperature=0, stream=True
         )
         return prompt, "".join([c.choices[0].text async for c in stream if c.choices])
 
     async def main():
         client = live.aclient()
         try:
-            return await asyncio.gather(*(one(client, PROMPTS[i % len(PROMPTS)]) for i in range(60)))
+            return await asyncio.gather(*(one(client, PROMPTS[i % len(PROMPTS)]) for i in range(200)))
         finally:
             await client.close()
 
     results = asyncio.run(main())
-    assert len(results) == 60
+    assert len(results) == 200
     wrong = [(p, t, alone[p]) for p, t in results if t != alone[p]]
     assert not wrong, wrong[:3]
     assert _wait_idle(live)
@@ -321,20 +324,48 @@ def test_client_disconnect_frees_blocks(live):
     assert _wait_idle(live, 5), "a disconnected request kept its blocks"
 
 
-def test_overload_is_503(live):
-    r = live.http.post("/v1/completions", json={"model": NAME, "prompt": "Hi", "n": MAX_WAITING + 1})
-    assert r.status_code == 503
-    err = r.json()["error"]
-    assert "overloaded" in err["message"] and err["code"] == 503
-    assert _alone(live, "Hi", 2)
-
-
 # Errors -------------------------------------------------------------------------------------
 
+
+@dataclass
+class Raw:
+    """A body sent as these bytes, under this Content-Type."""
+
+    content: str | bytes
+    content_type: str = "application/json"
+
+
+def _post(live, path: str, body):
+    if isinstance(body, Raw):
+        return live.http.post(path, content=body.content, headers={"content-type": body.content_type})
+    return live.http.post(path, json={"model": NAME, **body})
+
+
+def _assert_refused(live, r, status: int, param: str | None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["code"] == status
+    assert err["param"] == param, err
+    assert param is None or param in err["message"] or status == 404  # the message names the field
+    assert live.http.get("/health").status_code == 200  # and the engine loop goes on
+
+
+RAW_HI = f'{{"model": "{NAME}", "prompt": "Hi", '
 BAD = [
-    ("not json", 400, None),
+    (Raw("not json"), 400, None),
+    (Raw(b'{"prompt": "\xff\xfe"}'), 400, None),  # not UTF-8
+    (Raw(RAW_HI + '"temperature": NaN}'), 400, "temperature"),
+    (Raw(RAW_HI + '"top_p": Infinity}'), 400, "top_p"),
+    (Raw(RAW_HI + '"max_tokens": -Infinity}'), 400, "max_tokens"),
+    (Raw(RAW_HI + '"max_tokens": 4}', "text/plain"), 415, None),
+    (Raw(RAW_HI + '"max_tokens": 4}', "application/x-www-form-urlencoded"), 415, None),
     ({"prompt": 12}, 400, "prompt"),
     ({"prompt": "Hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "Hi", "max_tokens": "4"}, 400, "max_tokens"),
+    ({"prompt": "Hi", "max_tokens": 4.5}, 400, "max_tokens"),
+    ({"prompt": "Hi", "n": True}, 400, "n"),
+    ({"prompt": "Hi", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "Hi", "echo": 1}, 400, "echo"),
     ({"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
     ({"prompt": "Hi", "max_tokens": 10**9}, 400, "max_tokens"),
     ({"prompt": "Hi", "temperature": -0.5}, 400, "temperature"),
@@ -343,13 +374,24 @@ BAD = [
     ({"prompt": "Hi", "n": 0}, 400, "n"),
     ({"prompt": "Hi", "n": 10**6}, 400, "n"),
     ({"prompt": "Hi", "logprobs": 1000}, 400, "logprobs"),
+    ({"prompt": "Hi", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "Hi", "seed": 10**30}, 400, "seed"),
+    ({"prompt": "Hi", "seed": -(10**30)}, 400, "seed"),
     ({"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "Hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     ({"prompt": "Hi", "echo": True, "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "Hi", "stop": ["."] * 65}, 400, "stop"),
+    ({"prompt": "Hi", "stop": [1]}, 400, "stop"),
+    ({"prompt": "Hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [""]}, 400, "prompt"),
+    ({"prompt": [[]]}, 400, "prompt"),
+    ({"prompt": [[5], []]}, 400, "prompt"),
+    ({"prompt": [5, 1.5]}, 400, "prompt"),
+    ({"prompt": [5, True]}, 400, "prompt"),
     ({"prompt": [5, 49152]}, 400, "prompt"),
+    ({"prompt": [[5], [49152]]}, 400, "prompt"),
     ({"prompt": [-1]}, 400, "prompt"),
     ({"prompt": [1] * MAX_MODEL_LEN}, 400, "prompt"),
     ({"prompt": "Hi", "model": "gpt-5"}, 404, "model"),
@@ -359,37 +401,113 @@ BAD = [
 
 @pytest.mark.parametrize("body,status,param", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_bad_completion_requests_are_4xx(live, body, status, param):
-    if isinstance(body, str):
-        r = live.http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
-    else:
-        r = live.http.post("/v1/completions", json={"model": NAME, **body})
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert err["message"] and err["type"] and err["code"] == status
-    assert err["param"] == param
+    _assert_refused(live, _post(live, "/v1/completions", body), status, param)
 
 
-def test_bad_chat_requests_are_4xx(live):
-    for body in (
-        {"messages": "hello"},
-        {"messages": []},
-        {"messages": [{"role": "wizard", "content": "hi"}]},
-        {"messages": [{"role": "user", "content": 5}]},
-        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
-        {"messages": [{"role": "user", "content": "hi " * MAX_MODEL_LEN}]},
-        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
-    ):
-        r = live.http.post("/v1/chat/completions", json={"model": NAME, **body})
-        assert r.status_code == 400, (body, r.text)
-        assert r.json()["error"]["message"]
+HI = [{"role": "user", "content": "hi"}]
+BAD_CHAT = [
+    ({"messages": "hello"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({"messages": [{"role": "user", "content": ["hi"]}]}, "messages"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages",
+    ),
+    ({"messages": [{"role": "user", "content": "hi " * MAX_MODEL_LEN}]}, "messages"),
+    ({"messages": HI, "max_tokens": 0}, "max_tokens"),
+    ({"messages": HI, "max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"messages": HI, "logprobs": "yes"}, "logprobs"),
+    ({"messages": HI, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": HI, "n": MAX_WAITING + 1}, "n"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_CHAT, ids=[str(i) for i in range(len(BAD_CHAT))])
+def test_bad_chat_requests_are_4xx(live, body, param):
+    _assert_refused(live, _post(live, "/v1/chat/completions", body), 400, param)
+
+
+def test_bad_chat_requests_through_the_client(live):
     with pytest.raises(openai.NotFoundError):
-        live.client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}])
+        live.client.chat.completions.create(model="other", messages=HI)
     with pytest.raises(openai.BadRequestError, match="context length"):
-        live.client.chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=MAX_MODEL_LEN
-        )
+        live.client.chat.completions.create(model=NAME, messages=HI, max_tokens=MAX_MODEL_LEN)
     assert _alone(live, "Hi", 2)  # still serving
     assert _wait_idle(live)
+
+
+def test_unknown_fields_are_ignored_as_vllm_does(live):
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "best_of_all": 3}
+    r = _post(live, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == _alone(live, "The capital of France is", 4)
+    r = _post(
+        live, "/v1/chat/completions", {"messages": [{**HI[0], "mood": "calm"}], "max_tokens": 2, "x": 1}
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_chat_content_as_text_parts(live):
+    question = "What is the capital of France?"
+    parts = [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]
+    kw = dict(model=NAME, max_tokens=8, temperature=0)
+    as_text = live.client.chat.completions.create(messages=[{"role": "user", "content": question}], **kw)
+    as_parts = live.client.chat.completions.create(messages=[{"role": "user", "content": parts}], **kw)
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+    assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
+
+
+def test_fastapi_refusals_are_in_openai_shape(live):
+    _assert_refused(live, live.http.get("/v1/nothing"), 404, None)
+    _assert_refused(live, live.http.get("/v1/completions"), 405, None)
+
+
+def test_openapi_describes_the_request_and_answer_models(live):
+    from ringserve.server import protocol as P
+
+    schema = live.http.get("/openapi.json").json()
+    components = schema["components"]["schemas"]
+    for path, request, answer, chunk in (
+        ("/v1/completions", P.CompletionRequest, P.CompletionResponse, P.CompletionResponse),
+        ("/v1/chat/completions", P.ChatCompletionRequest, P.ChatCompletionResponse, P.ChatCompletionChunk),
+    ):
+        op = schema["paths"][path]["post"]
+        body = op["requestBody"]["content"]["application/json"]["schema"]["$ref"].split("/")[-1]
+        assert body == request.__name__ and set(components[body]["properties"]) == set(request.model_fields)
+        ok = op["responses"]["200"]["content"]
+        assert ok["application/json"]["schema"]["$ref"].endswith("/" + answer.__name__)
+        assert chunk.__name__ in json.dumps(ok["text/event-stream"]) and chunk.__name__ in components
+        for status in ("4XX", "5XX"):
+            assert op["responses"][status]["content"]["application/json"]["schema"]["$ref"].endswith(
+                "/ErrorResponse"
+            )
+        assert "422" not in op["responses"]  # refusals are 400s, never FastAPI's 422
+    prompt = components["CompletionRequest"]["properties"]["prompt"]["oneOf"]
+    assert [p.get("type") for p in prompt] == ["string", "array", "array", "array"]
+
+
+def test_huge_body_is_413(live):
+    from ringserve.server.api import MAX_BODY_BYTES
+
+    chunk = b" " * 2**20
+    for how in ("announced", "chunked"):  # Content-Length given, or not (counted as it is read)
+
+        def body():
+            yield b'{"prompt": "'
+            for _ in range(MAX_BODY_BYTES // len(chunk) + 1):
+                yield chunk
+            yield b'"}'
+
+        headers = {"content-type": "application/json"}
+        if how == "announced":
+            headers["content-length"] = str(MAX_BODY_BYTES + len(chunk) + 14)
+        r = live.http.post("/v1/completions", content=body(), headers=headers)
+        _assert_refused(live, r, 413, None)
+    assert _alone(live, "Hi", 2)
 
 
 def test_api_key(live):
@@ -440,8 +558,10 @@ def testscrape_metrics(live):
 
 
 class FakeEngine:
-    def __init__(self, error: BaseException):
-        self.error, self.seqs, self.pending, self.closed = error, {}, [], False
+    """Fails every step with `error`; without one, never answers (what is added keeps waiting)."""
+
+    def __init__(self, error: BaseException | None):
+        self.error, self.seqs, self.pending, self.aborted, self.closed = error, {}, [], [], False
         self.max_model_len, self.tokenizer, self.model_path = 64, None, "fake"
         self.scheduler = SimpleNamespace(running=[], waiting=[])
         self.block_manager = SimpleNamespace(num_free_blocks=8, num_blocks=8)
@@ -459,13 +579,16 @@ class FakeEngine:
         self.pending.append(request_id)
 
     def has_unfinished(self):
-        return bool(self.pending)
+        return bool(set(self.pending) - set(self.aborted))
 
     def step(self):
-        raise self.error
+        if self.error is not None:
+            raise self.error
+        time.sleep(0.01)
+        return []
 
     def abort(self, request_id):
-        pass
+        self.aborted.append(request_id)
 
     def check_health(self):
         if self.dead is not None:
@@ -473,6 +596,28 @@ class FakeEngine:
 
     def close(self):
         self.closed = True
+
+
+def test_overload_is_503_and_a_waiting_stream_is_aborted_when_its_client_leaves():
+    engine = FakeEngine(None)
+    with serve_in_thread(build_app(engine, "fake", max_waiting=4)) as url:
+        body = {"prompt": [1, 2], "n": 4, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as first:
+            assert first.status_code == 200
+            r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2]}, timeout=10)
+            assert r.status_code == 503
+            err = r.json()["error"]
+            assert "overloaded" in err["message"] and err["code"] == 503
+        # the client left before any token: its requests are aborted at once, not at the
+        # first token (none would come here)
+        deadline = time.monotonic() + 5
+        while sorted(engine.aborted) != sorted(engine.pending):
+            assert time.monotonic() < deadline, (engine.pending, engine.aborted)
+            time.sleep(0.02)
+        # more choices than may ever wait: no use retrying, a 400
+        r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "n": 5}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert "--max-waiting 4" in r.json()["error"]["message"]
 
 
 def test_step_error_fails_requests_with_500_and_health_503():

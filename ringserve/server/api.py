@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ringserve
 from ringserve.errors import RequestError, RingserveError
@@ -24,8 +25,19 @@ from ringserve.sampling_params import SamplingParams
 from ringserve.server import protocol as P
 from ringserve.server.async_engine import AsyncEngine, EngineStoppedError, OverloadedError
 from ringserve.server.metrics import Metrics
+from ringserve.server.openapi import (
+    HEALTH_RESPONSES,
+    METRICS_RESPONSES,
+    V1_RESPONSES,
+    generation_responses,
+    list_stream_chunks,
+)
 
 logger = logging.getLogger(__name__)
+
+# The largest request body taken: far above any batch the engine can hold (64 prompts of
+# 128K token ids, about 7 bytes each in JSON, are 58 MB), far below what would strain memory.
+MAX_BODY_BYTES = 64 * 2**20
 
 
 class ApiError(Exception):
@@ -60,6 +72,37 @@ class _ApiKey:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _BodyLimit:
+    """Pure ASGI middleware: a request body past `limit` bytes is a 413, refused as soon as
+    its Content-Length (or, chunked, the bytes received so far) says so, never read whole."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        announced = length.isdigit()
+        received = int(length) if announced else 0
+
+        async def counted():
+            nonlocal received
+            if received <= self.limit:
+                message = await receive()
+                if message["type"] == "http.request" and not announced:
+                    received += len(message.get("body", b""))
+            if received > self.limit:
+                # FastAPI lets an HTTPException from reading the body through to its handler
+                raise StarletteHTTPException(
+                    413, f"the request body is larger than the server takes ({self.limit} bytes)"
+                )
+            return message
+
+        await self.app(scope, counted, send)
 
 
 class Server:
@@ -133,11 +176,11 @@ class Server:
             )
         return requested
 
-    def check_prompt(self, token_ids: list[int]) -> None:
+    def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
         try:
             self.engine._check_prompt(token_ids)
         except RequestError as e:
-            raise ApiError(400, str(e), "prompt") from None
+            raise ApiError(400, str(e), param) from None
 
     # Completions -----------------------------------------------------------------------
 
@@ -327,7 +370,7 @@ class Server:
             raise ApiError(400, str(e), "messages") from None
         except Exception as e:  # a template that cannot render these messages
             raise ApiError(400, f"the chat template failed on these messages: {e}", "messages") from None
-        self.check_prompt(token_ids)
+        self.check_prompt(token_ids, "messages")
         requested = body.max_completion_tokens or body.max_tokens
         max_tokens = self.max_tokens(requested, len(token_ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -411,6 +454,8 @@ class Server:
     def submit(self, items):
         try:
             return self.async_engine.submit(items)
+        except RequestError as e:  # too many choices for the waiting queue
+            raise ApiError(400, str(e), "n") from None
         except RingserveError as e:
             raise ApiError(_status_of(e), str(e)) from None
 
@@ -476,6 +521,7 @@ def build_app(
     api_key: str | None = None,
     max_waiting: int = 1024,
     on_fatal: Callable[[BaseException], None] | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The app over an LLMEngine; the engine loop starts and stops with the app's lifespan."""
     server = Server(engine, served_model_name, max_waiting, on_fatal)
@@ -491,13 +537,22 @@ def build_app(
     app = FastAPI(title="ringserve", version=ringserve.__version__, lifespan=lifespan)
     app.state.server = server
     app.add_middleware(_ApiKey, api_key=api_key)
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
-        return _error_response(e.status, e.message, e.param)
+        message = e.message
+        if e.param and e.param not in message:  # the message names the field at fault
+            message = f"{e.param}: {message}"
+        return _error_response(e.status, message, e.param)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
+        if isinstance(e.body, (bytes, bytearray)):  # FastAPI parses JSON only when told it is
+            media = request.headers.get("content-type") or "none"
+            return _error_response(
+                415, f"the body must be JSON, sent with Content-Type: application/json (got {media})"
+            )
         errors = e.errors()
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
@@ -515,6 +570,12 @@ def build_app(
             param = next(iter(by_field))
         return _error_response(400, message, param)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        # FastAPI's own refusals (an unknown route 404, a wrong method 405, a body that is
+        # not UTF-8 400) in OpenAI's shape too, as vLLM
+        return _error_response(e.status_code, str(e.detail))
+
     @app.exception_handler(RingserveError)
     async def _ringserve_error(request, e: RingserveError):
         return _error_response(_status_of(e), str(e))
@@ -524,20 +585,28 @@ def build_app(
         logger.exception("internal error")
         return _error_response(500, f"internal error: {type(e).__name__}: {e}")
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        response_model=P.CompletionResponse,
+        responses=generation_responses(P.CompletionResponse),
+    )
     async def completions(body: P.CompletionRequest, request: Request):
         return await server.completions(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        response_model=P.ChatCompletionResponse,
+        responses=generation_responses(P.ChatCompletionChunk),
+    )
     async def chat(body: P.ChatCompletionRequest, request: Request):
         return await server.chat(body, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=P.ModelList, responses=V1_RESPONSES)
     async def models():
         card = P.ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
         return P.ModelList(data=[card])
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
     async def health():
         ae = server.async_engine
         if ae.healthy:
@@ -545,16 +614,17 @@ def build_app(
         reason = f"{type(ae.error).__name__}: {ae.error}" if ae.error else "the engine loop is not running"
         return _error_response(503, f"unhealthy: {reason}")
 
-    @app.get("/version")
+    @app.get("/version", response_model=P.VersionInfo)
     async def version():
         # the layout lets a benchmark result say what it measured (cp scaling, tp, ep)
-        parallel = {"tp": engine.parallel.tp, "cp": engine.parallel.cp, "ep": engine.parallel.ep}
-        return {"version": ringserve.__version__, "parallel": parallel}
+        parallel = P.ParallelLayout(tp=engine.parallel.tp, cp=engine.parallel.cp, ep=engine.parallel.ep)
+        return P.VersionInfo(version=ringserve.__version__, parallel=parallel)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def metrics():
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    list_stream_chunks(app, [P.ChatCompletionChunk])
     return app
 
 

@@ -114,6 +114,11 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine stopped on an error: {_describe(self.error)}")
         if self._stopping:
             raise EngineStoppedError("the server is shutting down")
+        if num_requests > self.max_waiting:  # never admitted, however long the client waits
+            raise RequestError(
+                f"the request asks for {num_requests} completions (prompts x n), more than the "
+                f"server lets wait at once (--max-waiting {self.max_waiting})"
+            )
         if self.num_waiting + num_requests > self.max_waiting:
             raise OverloadedError(
                 f"the server is overloaded: {self.num_waiting} requests are waiting "

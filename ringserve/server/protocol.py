@@ -2,17 +2,83 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer, model_validator
+
+logger = logging.getLogger(__name__)
 
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
+MAX_STOP_STRINGS = 64
+
+
+def _integral_floats_to_ints(value: Any) -> Any:
+    # JSON has one number type: 3.0 is the integer 3, as JSON Schema reads it (a float field
+    # takes the int as well; 3.5 stays a float and fails an integer field)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _integral_floats_to_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral_floats_to_ints(v) for v in value]
+    return value
+
+
+def _json_shape(value: Any) -> str:
+    if not isinstance(value, list):
+        return "text"
+    first = value[0] if value else None
+    if isinstance(first, list):
+        return "lists"
+    if isinstance(first, (dict, str)):
+        return "items"
+    return "ids"
+
+
+def _by_shape(**alternatives: Any) -> Any:
+    """A union whose alternative is picked by the value's JSON shape (text, list of items,
+    of token ids, of lists), so that a bad value is told what is wrong with it there, not
+    that it fails every other alternative. The schema lists the alternatives as oneOf."""
+
+    def shape(value: Any) -> str:
+        tag = _json_shape(value)
+        return tag if tag in alternatives else "items"
+
+    tagged = tuple(Annotated[t, Tag(name)] for name, t in alternatives.items())
+    return Annotated[Union[tagged], Discriminator(shape)]  # noqa: UP007 - a tuple of types
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+# text, texts, token ids or lists of token ids; a list is never empty (the text may be:
+# with a model that adds a BOS token, it is a prompt)
+Prompt = _by_shape(
+    text=str,
+    items=Annotated[list[str], Field(min_length=1)],
+    ids=TokenIds,
+    lists=Annotated[list[TokenIds], Field(min_length=1)],
+)
+
+
+# OpenAI takes 4 stop strings and vLLM any number; each is looked for after every token on
+# the engine's thread, so a bound keeps one request from slowing every other
+StopStrings = _by_shape(text=str, items=Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)])
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
+    # strict: the JSON types the schema declares, as OpenAI checks them (no "5" or true for
+    # an integer, no 1 for a boolean), so a mistyped field is a 400 naming it; no NaN / inf.
+    # Unknown fields are ignored, as vLLM does.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_numbers(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (unknown := data.keys() - cls.model_fields.keys()):
+            logger.warning("%s: fields ignored: %s", cls.__name__, sorted(map(str, unknown)))  # as vLLM
+        return _integral_floats_to_ints(data)
 
 
 class StreamOptions(_Body):
@@ -25,8 +91,8 @@ class SamplingFields(_Body):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=_INT64_MIN, le=_UINT64_MAX)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: StopStrings | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     n: int = Field(1, ge=1, le=128)
     ignore_eos: bool = False
     stream: bool = False
@@ -37,7 +103,7 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -50,9 +116,12 @@ class TextPart(_Body):
     text: str
 
 
+MessageContent = _by_shape(text=str, items=list[TextPart])  # a string, or text parts as OpenAI allows
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: MessageContent | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -189,15 +258,42 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class ParallelLayout(BaseModel):
+    tp: int
+    cp: int
+    ep: int
+
+
+class VersionInfo(BaseModel):
+    version: str
+    parallel: ParallelLayout  # the engine's layout, so a benchmark result says what it measured
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None  # the request field at fault, when one is
+    code: int  # the HTTP status, as vLLM
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestEntityTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    kinds = {
-        400: "BadRequestError",
-        401: "AuthenticationError",
-        404: "NotFoundError",
-        500: "InternalServerError",
-        503: "ServiceUnavailableError",
-    }
-    return {"error": {"message": message, "type": kinds.get(status, "Error"), "param": param, "code": status}}
+    info = ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "Error"), param=param, code=status)
+    return ErrorResponse(error=info).model_dump()
 
 
 def random_id(prefix: str) -> str:

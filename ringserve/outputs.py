@@ -22,10 +22,13 @@ class RequestOutput:
     text: str  # all generated text so far (stop strings excluded)
     token_ids: list[int]  # all generated token ids so far
     finished: bool
-    finish_reason: str | None  # "stop" or "length" once finished
+    # "stop" or "length" once finished; "error" when this request failed inside a step
+    # (the others went on), with the reason in `error`
+    finish_reason: str | None
     stop_reason: int | str | None = None  # the stop token id or string, if one ended it
     new_text: str = ""  # text added since the previous output of this request
     new_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     time_to_first_token: float | None = None  # seconds from arrival to the first token
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, when params.logprobs is set
+    error: str | None = None  # why the request failed, when finish_reason is "error"

@@ -1,6 +1,7 @@
 """LLM.chat and `ringserve chat` on the built-in model, against transformers' own chat template."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -10,7 +11,8 @@ from ringserve import LLM, SamplingParams
 from ringserve.chat import render
 from ringserve.errors import RequestError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the code under test, in subprocesses
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHAT_ENV = {**os.environ, "PYTHONPATH": REPO}  # `ringserve chat` subprocesses run the code under test
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0)  # where only the prompt is checked
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -141,30 +143,22 @@ def test_no_chat_template_is_a_clear_error(builtin_dir):
         render(tokenizer, FRANCE, "model-x", chat_template="{{ raise_exception('no such role') }}")
 
 
+def chat_command(*flags: str) -> list[str]:
+    """`ringserve chat` on the CPU, run from this checkout."""
+    return [sys.executable, "-m", "ringserve.cli", "chat", "--device", "cpu", *flags]
+
+
 def test_cli_chat_keeps_the_history(llm):
     """Two piped turns: each answer is what LLM.chat gives on the whole history so far."""
     params = SamplingParams(max_tokens=12, temperature=0)
     system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
     first, second = "What is the capital of France?", "And of Germany?"
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ringserve.cli",
-            "chat",
-            "--device",
-            "cpu",
-            "--dtype",
-            "float32",
-            "--max-tokens",
-            "12",
-            "--system",
-            system,
-        ],
+        chat_command("--dtype", "float32", "--max-tokens", "12", "--system", system),
         input=f"{first}\n\n{second}\n",  # the blank line is skipped
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": REPO},
+        env=CHAT_ENV,
         timeout=240,
     )
     assert run.returncode == 0, run.stderr
@@ -180,13 +174,34 @@ def test_cli_chat_keeps_the_history(llm):
 
 def test_cli_chat_says_why_an_answer_stopped():
     run = subprocess.run(
-        [sys.executable, "-m", "ringserve.cli", "chat", "--device", "cpu", "--max-tokens", "3"],
+        chat_command("--max-tokens", "3"),
         input="Tell me a story.\n/exit\nnever read\n",
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": REPO},
+        env=CHAT_ENV,
         timeout=240,
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.count("\n") == 1  # one answer, then /exit
     assert "(stopped: length (max_tokens))" in run.stderr
+
+
+def test_cli_chat_ctrl_c_stops_the_answer_not_the_chat():
+    proc = subprocess.Popen(
+        chat_command("--max-tokens", "4000"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=CHAT_ENV,
+    )
+    try:
+        proc.stdin.write(b"Tell me a long story.\n")
+        proc.stdin.flush()
+        first = proc.stdout.read(1)  # the story has begun (hundreds of tokens, unless stopped)
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(b"What is the capital of France?\n", timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err.decode()
+    assert b"(stopped: interrupted)" in err and b"Traceback" not in err
+    assert first and b"Paris" in out.splitlines()[-1]  # the next turn was answered

@@ -75,5 +75,5 @@ def _is_int(value) -> bool:
 
 
 def _is_real(value) -> bool:
-    """An int or float, not a bool (True would pass as 1) and not NaN."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    """An int or float, not a bool (True would pass as 1). NaN fails every range test after."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

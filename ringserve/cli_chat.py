@@ -52,8 +52,9 @@ def run_chat(args) -> int:
     if llm is None:
         return 2
     with llm:
-        try:  # refuse a model without a chat template before the first turn is typed
+        try:  # refuse a model without a chat template, or a bad flag, before the first turn
             llm.engine.chat_prompt([{"role": "user", "content": "hi"}])
+            llm.engine.check_params(params)
         except RequestError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -101,7 +101,8 @@ class EngineOptions:
         False, "no CUDA graphs: decode steps launch their kernels from Python (slower; for debugging)"
     )
     show_progress: bool | None = _opt(
-        None, "progress bars while converting a GGUF file and loading weights; default: when stderr is a terminal"
+        None,
+        "progress bars while converting a GGUF file and loading weights; default: when stderr is a terminal",
     )
 
     def __post_init__(self):

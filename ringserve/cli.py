@@ -1,4 +1,4 @@
-"""Command line: `ringserve generate ...`."""
+"""Command line: `ringserve generate | chat | serve | bench ...`."""
 
 from __future__ import annotations
 
@@ -31,13 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt text; several prompts run as one batch; none (or -): read the prompt from stdin "
         f"when it is piped, else {DEFAULT_PROMPT!r}",
     )
-    gen.add_argument("--max-tokens", type=int, default=128, help="new tokens at most per prompt")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; higher is more random")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens up to this mass")
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
-    gen.add_argument("--seed", type=int, default=None, help="sampling seed: same seed, same output")
-    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    add_sampling_args(gen, max_tokens=128)
     gen.add_argument(
         "--no-chat",
         action="store_true",
@@ -46,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(gen)
 
     _add_serve_parser(sub)
+    from ringserve.cli_chat import add_chat_parser
+
+    add_chat_parser(sub)
 
     bench = sub.add_parser("bench", help="measure this machine (results feed the engine's choices)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -90,6 +87,48 @@ def _add_bench_serve_parser(bench_sub) -> None:
     add_bench_serve_args(bs)
 
 
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    """The sampling flags (`sampling_params(args)` reads them back); max_tokens: its default."""
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=max_tokens, help="new tokens at most per answer")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; higher is more random")
+    group.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens up to this mass"
+    )
+    group.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
+    group.add_argument("--seed", type=int, default=None, help="sampling seed: same seed, same output")
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def sampling_params(args):
+    """The SamplingParams the sampling flags give; a bad value raises RequestError (a ValueError)."""
+    from ringserve import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def add_model_positional(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="same as --model")
+
+
+def take_model_positional(args) -> str | None:
+    """Move MODEL into --model; an error message when both are given and differ."""
+    if args.model_pos is not None:
+        if getattr(args, "model", None) not in (None, args.model_pos):
+            return "give the model once, as MODEL or --model"
+        args.model = args.model_pos
+    return None
+
+
 def _add_serve_parser(sub) -> None:
     serve = sub.add_parser(
         "serve",
@@ -97,7 +136,7 @@ def _add_serve_parser(sub) -> None:
         description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, "
         "/health, /version, /metrics. SIGTERM or Ctrl-C ends in-flight requests and exits 0.",
     )
-    serve.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    add_model_positional(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
@@ -110,7 +149,7 @@ def _add_serve_parser(sub) -> None:
     add_cli_args(serve)
 
 
-def _start(options):
+def start_llm(options):
     """The LLM for these options, or None after printing why it cannot start."""
     from ringserve import LLM
     from ringserve.errors import RingserveError
@@ -131,17 +170,16 @@ def _serve(args) -> int:
             allowed = f"{low} or more" if high is None else f"in {low}..{high}"
             print(f"error: argument {flag}: must be {allowed}, got {value}", file=sys.stderr)
             return 2
-    if args.model_pos is not None:
-        if getattr(args, "model", None) not in (None, args.model_pos):
-            print("error: give the model once, as MODEL or --model", file=sys.stderr)
-            return 2
-        args.model = args.model_pos
+    problem = take_model_positional(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         options = from_cli_args(args)
     except OptionError as e:
         print(f"error: {cli_error(e)}", file=sys.stderr)
         return 2
-    llm = _start(options)
+    llm = start_llm(options)
     if llm is None:
         return 2
     name = args.served_model_name or options.model or "SmolLM2-135M-Instruct"
@@ -150,28 +188,19 @@ def _serve(args) -> int:
 
 
 def _generate(args) -> int:
-    from ringserve import SamplingParams
     from ringserve.errors import RingserveError
 
     try:
         options = from_cli_args(args)  # before stdin is read: a bad flag answers at once
         prompts = _prompts(args.prompt)
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            stop=args.stop,
-            ignore_eos=args.ignore_eos,
-        )
+        params = sampling_params(args)
     except OptionError as e:
         print(f"error: {cli_error(e)}", file=sys.stderr)
         return 2
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    llm = _start(options)
+    llm = start_llm(options)
     if llm is None:
         return 2
     with llm:
@@ -245,6 +274,8 @@ def finish_reason(out, params) -> str:
             return "eos"
         kind = "string" if isinstance(out.stop_reason, str) else "token"
         return f"stop {kind} {out.stop_reason!r}"
+    if out.finish_reason == "error":
+        return f"error ({out.error})"
     if out.finish_reason == "length":
         return "length (max_tokens)" if len(out.token_ids) >= params.max_tokens else "length (max_model_len)"
     return str(out.finish_reason)
@@ -270,6 +301,10 @@ def _run(args) -> int:
         from ringserve.benchmarks.serve import main as bench_serve
 
         return bench_serve(args)
+    if args.command == "chat":
+        from ringserve.cli_chat import run_chat
+
+        return run_chat(args)
     if args.command == "bench":
         import torch
 

@@ -19,3 +19,7 @@ class RequestTooLargeError(RequestError, MemoryError):
     def __init__(self, message: str, request_id: str):
         super().__init__(message)
         self.request_id = request_id
+
+
+class RequestFailedError(RingserveError):
+    """A request that failed inside a step (finish_reason "error"); the others went on."""

@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
 
 import numpy as np
@@ -66,8 +67,11 @@ def cache_root() -> str:
     return os.environ.get("RINGSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ringserve")
 
 
-def converted_folder(gguf_path: str) -> str:
-    """A folder holding the GGUF file as a Hugging Face checkpoint; converts on first use."""
+def converted_folder(gguf_path: str, show_progress: bool = False) -> str:
+    """A folder holding the GGUF file as a Hugging Face checkpoint; converts on first use.
+
+    show_progress: say what is converted and where it is cached, and show a progress bar
+    (on stderr) through the conversion, which takes seconds (tens on a slow CPU)."""
     stat = os.stat(gguf_path)
     key = hashlib.sha256(
         f"{os.path.abspath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()
@@ -76,11 +80,15 @@ def converted_folder(gguf_path: str) -> str:
     folder = os.path.join(cache_root(), "gguf", f"{stem}-{key}")
     if os.path.isfile(os.path.join(folder, "model.safetensors")):
         return folder
-    logger.info("converting %s to %s (first use only)", gguf_path, folder)
+    message = f"Converting {gguf_path} to a Hugging Face checkpoint in {folder} (first use only)"
+    if show_progress:
+        print(message, file=sys.stderr, flush=True)
+    else:
+        logger.info(message)
     os.makedirs(os.path.dirname(folder), exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{stem}-", dir=os.path.dirname(folder))
     try:
-        _convert(gguf_path, staging)
+        _convert(gguf_path, staging, show_progress)
         try:
             os.rename(staging, folder)
         except OSError:  # another process converted it first
@@ -98,10 +106,11 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _convert(gguf_path: str, out: str) -> None:
+def _convert(gguf_path: str, out: str, show_progress: bool) -> None:
     from gguf import GGUFReader
     from gguf.quants import dequantize
     from safetensors.torch import save_file
+    from tqdm import tqdm
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -115,27 +124,48 @@ def _convert(gguf_path: str, out: str) -> None:
         )
     hf_arch, permuted = _ARCHITECTURES[arch]
     folder, name = os.path.split(os.path.abspath(gguf_path))
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    tensors = {}
-    for t in reader.tensors:
-        values = dequantize(t.data, t.tensor_type).astype(np.float32)
-        values = values.reshape(tuple(int(d) for d in reversed(t.shape)))
-        if t.name in _GLOBAL_NAMES:
-            hf_name = _GLOBAL_NAMES[t.name]
-        else:
-            parts = t.name.split(".")  # blk.{i}.{kind}.weight
-            if parts[0] != "blk" or parts[2] not in _LAYER_NAMES:
-                raise ModelLoadError(f"{gguf_path}: unexpected tensor {t.name}")
-            hf_name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-            if permuted and parts[2] == "attn_q":
-                values = _unpermute(values, config.num_attention_heads)
-            elif permuted and parts[2] == "attn_k":
-                values = _unpermute(values, config.num_key_value_heads)
-        tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(values))
-    config.architectures = [hf_arch]
-    config.tie_word_embeddings = "lm_head.weight" not in tensors
-    config.dtype = "float32"
-    config.save_pretrained(out)
-    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    tokenizer.save_pretrained(out)
+    # One step per tensor, plus the config and the tokenizer, which transformers reads from
+    # the file's metadata (the tokenizer, with its whole vocabulary, is the slowest step).
+    progress = tqdm(
+        total=len(reader.tensors) + 2, desc="Converting GGUF", unit="step", disable=not show_progress
+    )
+    with progress:
+        progress.set_postfix_str("config", refresh=True)
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        progress.update()
+        tensors = {}
+        for t in reader.tensors:
+            progress.set_postfix_str(t.name, refresh=False)
+            tensors[_hf_name(t.name, gguf_path)] = _tensor(t, dequantize, permuted, config)
+            progress.update()
+        config.architectures = [hf_arch]
+        config.tie_word_embeddings = "lm_head.weight" not in tensors
+        config.dtype = "float32"
+        config.save_pretrained(out)
+        save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        progress.set_postfix_str("tokenizer", refresh=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        tokenizer.save_pretrained(out)
+        progress.set_postfix_str("done", refresh=False)
+        progress.update()
+
+
+def _hf_name(gguf_name: str, gguf_path: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")  # blk.{i}.{kind}.weight
+    if parts[0] != "blk" or parts[2] not in _LAYER_NAMES:
+        raise ModelLoadError(f"{gguf_path}: unexpected tensor {gguf_name}")
+    return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+
+
+def _tensor(t, dequantize, permuted: bool, config) -> torch.Tensor:
+    """One GGUF tensor as float32 in Hugging Face's layout."""
+    values = dequantize(t.data, t.tensor_type).astype(np.float32)
+    values = values.reshape(tuple(int(d) for d in reversed(t.shape)))
+    kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
+    if permuted and kind == "attn_q":
+        values = _unpermute(values, config.num_attention_heads)
+    elif permuted and kind == "attn_k":
+        values = _unpermute(values, config.num_key_value_heads)
+    return torch.from_numpy(np.ascontiguousarray(values))

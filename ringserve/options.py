@@ -106,7 +106,8 @@ class EngineOptions:
         "work hides behind the device's (one rank only); default: on for a one-rank GPU engine",
     )
     show_progress: bool | None = _opt(
-        None, "progress bar while loading weights; default: when stderr is a terminal"
+        None,
+        "progress bars while converting a GGUF file and loading weights; default: when stderr is a terminal",
     )
 
     def __post_init__(self):

@@ -23,7 +23,9 @@ class RequestOutput:
     text: str  # all generated text so far (stop strings excluded)
     token_ids: list[int]  # all generated token ids so far
     finished: bool
-    finish_reason: str | None  # "stop" or "length" once finished
+    # "stop" or "length" once finished; "error" when this request failed inside a step
+    # (the others went on), with the reason in `error`
+    finish_reason: str | None
     stop_reason: int | str | None = None  # the stop token id or string, if one ended it
     new_text: str = ""  # text added since the previous output of this request
     new_token_ids: list[int] = field(default_factory=list)
@@ -33,3 +35,4 @@ class RequestOutput:
     # One per prompt token when params.prompt_logprobs is set, as vLLM: None for the first
     # (nothing precedes it), then each token's log-probability given the tokens before it.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None  # why the request failed, when finish_reason is "error"

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ringserve.errors import RequestError
 
-_GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
+# Temperatures below this sample greedily, as vLLM: logits / 1e-300 would overflow to inf,
+# and softmax over several infs is NaN.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -30,29 +33,54 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
-            raise RequestError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.stop, (list, tuple)):
+            self.stop = [s for s in self.stop if s != ""]
         if self.top_k == -1:
             self.top_k = 0
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise RequestError naming the first field that cannot work (a wrong type, NaN or
+        inf, out of range). The engine calls it again when a request is added, so a field
+        changed after construction is checked before it can reach a step."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            raise RequestError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise RequestError(f"top_k must be an integer >= 0 (or -1 for all), got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             raise RequestError(f"seed must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise RequestError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            _is_int(t) for t in self.stop_token_ids
+        ):
+            raise RequestError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise RequestError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
         n = self.prompt_logprobs
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        if n is not None and (not _is_int(n) or n < 0):
             raise RequestError(f"prompt_logprobs must be an integer >= 0, got {n!r}")
 
     @property
     def greedy(self) -> bool:
-        # As vLLM: a temperature this small is greedy; dividing logits by it overflows float32
-        # (1e-300 is 0 there), and the NaN rows would sample an arbitrary token.
-        return self.temperature < _GREEDY_BELOW
+        return self.temperature < GREEDY_BELOW
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """An int or float, not a bool (True would pass as 1). NaN fails every range test after."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -49,6 +49,24 @@ def test_gguf_conversion_is_cached(builtin_dir):
         assert os.path.isfile(os.path.join(builtin_dir, name))
 
 
+def test_gguf_conversion_shows_its_progress(tmp_path, monkeypatch, capsys):
+    import re
+
+    from ringserve.gguf_import import builtin_model_path, converted_folder
+
+    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))  # a fresh cache: the first run converts
+    gguf = builtin_model_path()
+    folder = converted_folder(gguf, show_progress=True)
+    assert folder.startswith(str(tmp_path)) and os.path.isfile(os.path.join(folder, "model.safetensors"))
+    err = capsys.readouterr().err
+    assert f"Converting {gguf} to a Hugging Face checkpoint in {folder} (first use only)" in err
+    # tqdm redraws with \r: the last frame counts every tensor plus the config and tokenizer.
+    last = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert re.match(r"Converting GGUF: 100%.* (\d+)/\1 .*done\]$", last), last
+    assert converted_folder(gguf, show_progress=True) == folder  # cached: nothing to show
+    assert capsys.readouterr().err == ""
+
+
 def test_stop_strings_cut_the_text(llm):
     full = llm.generate([QUESTION], SamplingParams(max_tokens=32, temperature=0), chat=True)[0].text
     cut = full.index("France")

@@ -200,7 +200,7 @@ def test_prompt_longer_than_context_fails_alone(llama):
 def test_generation_stops_at_context_end(llama):
     with LLM(llama, device="cpu", dtype="float32", max_model_len=32) as llm:
         out = llm.generate(
-            [list(range(1, 25))], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+            [list(range(1, 25))], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
         )[0]
     assert len(out.token_ids) == 8 and out.finish_reason == "length"
 

@@ -156,10 +156,11 @@ def test_every_option_reaches_the_engine_from_llm(tiny_model_dir, engines):
     assert engine.options == EngineOptions(**values)
 
 
-def test_every_option_reaches_the_engine_from_the_command_line(tiny_model_dir, engines):
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["serve"]])
+def test_every_option_reaches_the_engine_from_the_command_line(tiny_model_dir, engines, command):
     values = non_default_values(tiny_model_dir("qwen3_moe"))
     with pytest.raises(_Stop):
-        main(["generate", "hi", *cli_args(values)])
+        main([*command, *cli_args(values)])
     engine, rec = engines[-1]
     for name, value in values.items():
         expected = getattr(torch, value) if name == "dtype" else value

@@ -634,6 +634,25 @@ def test_step_error_fails_requests_with_500_and_health_503():
         assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
 
 
+def test_request_failing_in_a_step_is_a_500_for_it_alone():
+    """An output with finish_reason "error" (the engine ended that request alone) fails only
+    that request; the engine loop and /health are fine."""
+    from starlette.testclient import TestClient
+
+    from ringserve.outputs import RequestOutput
+
+    class EngineFailingOneRequest(FakeEngine):
+        def step(self):
+            rid = self.pending.pop(0)
+            return [RequestOutput(rid, None, [1], "", [], True, "error", error="TypeError: bad field")]
+
+    with TestClient(build_app(EngineFailingOneRequest(None), "fake")) as client:
+        r = client.post("/v1/completions", json={"prompt": [1, 2, 3]})
+        assert r.status_code == 500
+        assert r.json()["error"]["message"] == "the request failed: TypeError: bad field"
+        assert client.get("/health").status_code == 200
+
+
 def test_worker_error_is_fatal():
     from ringserve.engine.executor import WorkerError
 

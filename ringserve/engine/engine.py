@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import numbers
 import os
 import time
 from collections.abc import Mapping
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ringserve import chat
 from ringserve.config import EngineConfig, ModelConfig, ParallelConfig, resolve_dtype
 from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.detokenizer import IncrementalDetokenizer
@@ -43,12 +45,13 @@ from ringserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def resolve_model_path(model: str | None) -> str:
-    """A Hugging Face folder for `model`: a folder as is, a .gguf file converted, None the built-in."""
+def resolve_model_path(model: str | None, show_progress: bool = False) -> str:
+    """A Hugging Face folder for `model`: a folder as is, a .gguf file converted (with a
+    progress bar when show_progress), None the built-in."""
     if model is None:
-        return converted_folder(builtin_model_path())
+        return converted_folder(builtin_model_path(), show_progress)
     if os.path.isfile(model) and model.endswith(".gguf"):
-        return converted_folder(model)
+        return converted_folder(model, show_progress)
     if os.path.isdir(model):
         return model
     raise ModelLoadError(
@@ -76,6 +79,7 @@ class _LaunchedStep:
     # (rows of `tokens` whose request asked for logprobs, their logprobs on the device)
     logprobs: tuple[list[int], DeviceLogprobs] | None
     no_token: list[Sequence]  # max_tokens=0: end after this step's prefill without a token
+    failed: list[tuple[Sequence, Exception]]  # sequences whose sampling failed: they end alone
     row_of: dict[str, int] = field(init=False)  # request id -> its row of `tokens`
     _host: torch.Tensor = field(init=False)  # [S] int64, the tokens' copy on the host
     _ready: torch.cuda.Event | None = field(init=False)
@@ -158,7 +162,7 @@ class LLMEngine:
     def _start(self, weights: Mapping[str, torch.Tensor] | None) -> None:
         """Load the model and start the ranks, the KV cache and the scheduler."""
         options, ec, parallel = self.options, self.engine_config, self.parallel
-        self.model_path = resolve_model_path(options.model)
+        self.model_path = resolve_model_path(options.model, self.show_progress)
         self.device = resolve_device(options.device)
         self.model_config = config = ModelConfig.from_pretrained(self.model_path)
         # Refuse what cannot work before any process starts or any weight is read.
@@ -227,19 +231,49 @@ class LLMEngine:
     # Requests -------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        """A prompt's token ids: text through the tokenizer (chat: as one user message through
+        the chat template), token ids as plain ints (numpy integers too; floats are refused)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(f"{self.model_path} has no tokenizer: pass token ids, not text")
             if chat:
-                text = self.apply_chat_template([{"role": "user", "content": prompt}])
-                return self.tokenizer.encode(text, add_special_tokens=False)
+                return self.chat_prompt([{"role": "user", "content": prompt}])[1]
             return self.tokenizer.encode(prompt)
-        return list(prompt)
+        if not isinstance(prompt, (list, tuple)) and not hasattr(prompt, "tolist"):
+            raise RequestError(
+                f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
+        ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)  # numpy / torch too
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise RequestError(
+                    f"token ids must be integers; position {i} holds {t!r} ({type(t).__name__})"
+                )
+        return [int(t) for t in ids]
+
+    def chat_prompt(
+        self,
+        messages: list[dict],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> tuple[str, list[int]]:
+        """One conversation through the chat template: (the prompt text, its token ids).
+
+        The one place messages become a prompt (LLM.chat, `ringserve chat`, the server)."""
+        text = chat.render(
+            self.tokenizer,
+            messages,
+            self.model_path,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        # The template writes the special tokens (BOS and the turn markers) itself.
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError(f"{self.model_path} has no chat template")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.chat_prompt(messages)[0]
 
     def add_request(
         self,
@@ -256,6 +290,7 @@ class LLMEngine:
         params = params or SamplingParams()
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt, chat)
         self._check_prompt(token_ids)
+        self.check_params(params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -282,9 +317,24 @@ class LLMEngine:
                 f"{self.max_model_len} (max_model_len) including at least one new token"
             )
         vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
+        # type(t) is int: a float or bool id would pass the range test and fail inside a step.
+        bad = [t for t in token_ids if type(t) is not int or not 0 <= t < vocab]
         if bad:
-            raise RequestError(f"token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}")
+            raise RequestError(f"token ids out of the vocabulary (0..{vocab - 1}) or not integers: {bad[:5]}")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Sampling parameters this model can serve; RequestError names the field."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.verify()  # again: a field may have changed since construction
+        if params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"max_tokens={params.max_tokens} can never be reached: the model's context is "
+                f"{self.max_model_len} tokens (max_model_len), prompt included"
+            )
+        vocab = self.model_config.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise RequestError(f"logprobs={params.logprobs} is more than the vocabulary's {vocab} tokens")
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -364,8 +414,12 @@ class LLMEngine:
         no_token = [seq for seq in sampling if seq.params.max_tokens == 0]
         logits = logits[:num_sampling] if not no_token else logits[keep]
         sampling = [sampling[i] for i in keep]
-        tokens = sample_on_device(logits, sampling)
-        return _LaunchedStep(batch, sampling, tokens, _sampled_logprobs(logits, sampling, tokens), no_token)
+        tokens, kept, errors = _sample_or_blame(logits, sampling)
+        failed = [(sampling[i], e) for i, e in errors.items()]
+        if errors:
+            logits, sampling = logits[kept], [sampling[i] for i in kept]
+        logprobs = _sampled_logprobs(logits, sampling, tokens)
+        return _LaunchedStep(batch, sampling, tokens, logprobs, no_token, failed)
 
     def _commit(self, launched: _LaunchedStep) -> list[RequestOutput]:
         """The host's record of a launched step: computed tokens, full blocks offered to the
@@ -383,7 +437,8 @@ class LLMEngine:
                 seq.output_token_ids.append(PENDING_TOKEN)
                 # Its length limit ends it when this token is read: no step computes past it.
                 seq.ends_when_read = self._at_length_limit(seq)
-        return [self._finish_without_token(seq) for seq in launched.no_token if not seq.finished]
+        outputs = [self._finish_without_token(seq) for seq in launched.no_token if not seq.finished]
+        return outputs + [self._fail_request(seq, e) for seq, e in launched.failed if not seq.finished]
 
     def _finish_step(self, launched: _LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens (the one host sync of a step) and make its outputs."""
@@ -394,19 +449,22 @@ class LLMEngine:
         for i, (seq, token) in enumerate(zip(launched.sampling, tokens)):
             if seq.finished:  # ended while its step ran: the token computed past its end is dropped
                 continue
-            assert seq.output_token_ids[-1] == PENDING_TOKEN
-            seq.output_token_ids[-1] = token
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            detok = self.detokenizers.get(seq.request_id)
-            if detok is not None:
-                detok.add_token(seq, token)
-            self._check_finished(seq, token)
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-            out = self._output(seq, [token])
-            if logprobs is not None and logprobs[i] is not None:
-                out.new_logprobs = [logprobs[i]]
+            try:
+                assert seq.output_token_ids[-1] == PENDING_TOKEN
+                seq.output_token_ids[-1] = token
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                detok = self.detokenizers.get(seq.request_id)
+                if detok is not None:
+                    detok.add_token(seq, token)
+                self._check_finished(seq, token)
+                if seq.finish_reason is not None:
+                    self.scheduler.finish(seq)
+                out = self._output(seq, [token])
+                if logprobs is not None and logprobs[i] is not None:
+                    out.new_logprobs = [logprobs[i]]
+            except Exception as e:  # whatever it was, it ends this request alone
+                out = self._fail_request(seq, e)
             outputs.append(out)
             if seq.finished:
                 self.seqs.pop(seq.request_id, None)
@@ -430,6 +488,18 @@ class LLMEngine:
         self.seqs.pop(seq.request_id, None)
         self.detokenizers.pop(seq.request_id, None)
         return self._output(seq, [])
+
+    def _fail_request(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """End a request whose own processing failed in a step (finish_reason "error"); its
+        blocks are freed and the other requests of the step go on."""
+        logger.error("request %s failed in a step and was ended", seq.request_id, exc_info=error)
+        self.detokenizers.pop(seq.request_id, None)  # the output below must not decode again
+        if not seq.finished:
+            self.scheduler.finish(seq)
+        seq.finish_reason, seq.stop_reason = "error", None
+        out = self._output(seq, [])
+        out.error = f"{type(error).__name__}: {error}"
+        return out
 
     def _choose_cp_algo(self, batch) -> str:
         if self.cp_algo != "auto":
@@ -503,6 +573,27 @@ class LLMEngine:
             self.executor = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _sample_or_blame(
+    logits: torch.Tensor, seqs: list[Sequence]
+) -> tuple[torch.Tensor, list[int], dict[int, Exception]]:
+    """The rows' tokens on the device (logits [S, V], one row per sequence), the rows they
+    are for, and the rows that failed. Should the batch fail, each row is sampled alone, so
+    a request whose parameters break sampling fails alone instead of the whole step."""
+    try:
+        return sample_on_device(logits, seqs), list(range(len(seqs))), {}
+    except Exception:  # find the rows to blame below
+        pass
+    tokens, kept, errors = [], [], {}
+    for i, seq in enumerate(seqs):
+        try:
+            tokens.append(sample_on_device(logits[i : i + 1], [seq]))
+            kept.append(i)
+        except Exception as e:
+            errors[i] = e
+    empty = torch.empty(0, dtype=torch.int64, device=logits.device)
+    return (torch.cat(tokens) if tokens else empty), kept, errors
 
 
 def _sampled_logprobs(

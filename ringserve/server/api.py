@@ -360,13 +360,9 @@ class Server:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
 
-        def tokenize():
-            text = self.engine.apply_chat_template(messages)
-            return self.engine.tokenizer.encode(text, add_special_tokens=False)
-
         try:
-            token_ids = await self.off_loop(tokenize)
-        except RequestError as e:
+            _, token_ids = await self.off_loop(self.engine.chat_prompt, messages)
+        except RequestError as e:  # no template, or one that refuses these messages
             raise ApiError(400, str(e), "messages") from None
         except Exception as e:  # a template that cannot render these messages
             raise ApiError(400, f"the chat template failed on these messages: {e}", "messages") from None

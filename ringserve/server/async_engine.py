@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from ringserve.errors import RequestError, RequestTooLargeError, RingserveError
+from ringserve.errors import RequestError, RequestFailedError, RequestTooLargeError, RingserveError
 from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import SamplingParams
 from ringserve.server.metrics import Metrics
@@ -168,6 +168,9 @@ class AsyncEngine:
             route = self.routes.get(out.request_id)
             if route is None:
                 continue  # aborted meanwhile
+            if out.error is not None:  # it failed alone inside a step: a 500 for it alone
+                self._fail(out.request_id, RequestFailedError(f"the request failed: {out.error}"))
+                continue
             if route.waiting:
                 route.waiting = False
                 self.num_waiting -= 1

@@ -1,15 +1,15 @@
 """Machine measurements the engine's choices use (allreduce bands, CP rates), stored as JSON
-under the cache folder (RINGSERVE_CACHE, default ~/.cache/ringserve), keyed by device type."""
+under the cache folder (ringserve/cache_dir.py), keyed by device type."""
 
 from __future__ import annotations
 
 import json
 import os
 
+from ringserve.cache_dir import cache_root
+
 
 def measurement_path(name: str) -> str:
-    from ringserve.gguf_import import cache_root
-
     return os.path.join(cache_root(), f"{name}.json")
 
 
@@ -43,3 +43,4 @@ def save_measurement(name: str, value, *keys: str) -> str:
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
     return path
+

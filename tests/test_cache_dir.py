@@ -20,7 +20,7 @@ def test_nothing_reaches_the_home_cache(tmp_path, monkeypatch, capsys, builtin_d
     # started here.
     converted = converted_folder(builtin_model_path())
     args = ["bench", "allreduce", "--world-size", "2", "--device", "cpu", "--sizes", "4096"]
-    assert main(args + ["--iters", "1"]) == 0
+    assert main(args + ["--iters", "1", "--repeats", "1"]) == 0
     code = "from ringserve.measurements import save_measurement; print(save_measurement('probe', 1, 'cpu'))"
     saved = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
 

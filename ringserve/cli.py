@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 
+from ringserve.measurements import DEFAULT_REPEATS
 from ringserve.options import OptionError, add_cli_args, cli_error, from_cli_args
 
 DEFAULT_PROMPT = "What is the capital of France?"
@@ -55,7 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--world-size", type=int, default=2, help="ranks (GPUs, or CPU processes)")
     ar.add_argument("--device", default="auto", help="cpu, cuda or auto")
     ar.add_argument("--sizes", type=int, nargs="+", default=None, help="message sizes in bytes")
-    ar.add_argument("--iters", type=int, default=20, help="timed repetitions per size")
+    ar.add_argument("--iters", type=int, default=20, help="timed calls per size and repeat (their median)")
+    ar.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help="sweeps over all sizes; the table and the thresholds use the median over them",
+    )
     ar.add_argument("--no-save", action="store_true", help="print only; keep the stored thresholds")
     cal = bench_sub.add_parser(
         "cp-calibrate",
@@ -65,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         "hosts is the slower link: measure there too.",
     )
     cal.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    cal.add_argument(
+        "--repeats", type=int, default=DEFAULT_REPEATS, help="timings of each rate; their median is stored"
+    )
     cal.add_argument("--no-save", action="store_true", help="print only")
     _add_bench_serve_parser(bench_sub)
     return parser
@@ -306,25 +316,41 @@ def _run(args) -> int:
 
         return run_chat(args)
     if args.command == "bench":
-        import torch
+        return _measure(args)
+    return 1
 
-        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+
+def _measure(args) -> int:
+    """`ringserve bench allreduce` / `cp-calibrate`; 1 when the result contradicts its own
+    table and was not saved."""
+    import torch
+
+    from ringserve.errors import MeasurementRejected
+
+    if args.repeats < 1:
+        print(f"error: argument --repeats: must be at least 1, got {args.repeats}", file=sys.stderr)
+        return 2
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
         if args.bench == "cp-calibrate":
             from ringserve.parallel import cp_calibrate
 
-            cp_calibrate.run(device, save=not args.no_save)
-            return 0
-        from ringserve.parallel import allreduce_bench
+            cp_calibrate.run(device, save=not args.no_save, repeats=args.repeats)
+        else:
+            from ringserve.parallel import allreduce_bench
 
-        allreduce_bench.run(
-            args.world_size,
-            device,
-            args.sizes or allreduce_bench.DEFAULT_SIZES[:6],
-            args.iters,
-            save=not args.no_save,
-        )
-        return 0
-    return 1
+            allreduce_bench.run(
+                args.world_size,
+                device,
+                args.sizes or allreduce_bench.DEFAULT_SIZES[:6],
+                args.iters,
+                save=not args.no_save,
+                repeats=args.repeats,
+            )
+    except MeasurementRejected as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

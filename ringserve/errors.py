@@ -9,6 +9,10 @@ class ModelLoadError(RingserveError):
     """The model folder, file, config or a weight is missing, unsupported or malformed."""
 
 
+class MeasurementRejected(RingserveError):
+    """A measured setting that contradicts the table it was derived from: it is not saved."""
+
+
 class RequestError(RingserveError, ValueError):
     """A request that cannot be served as given (too long, bad parameters)."""
 

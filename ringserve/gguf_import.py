@@ -17,6 +17,7 @@ import tempfile
 import numpy as np
 import torch
 
+from ringserve.cache_dir import cache_root
 from ringserve.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -61,10 +62,6 @@ def builtin_model_path() -> str:
     if not os.path.isfile(path):
         raise ModelLoadError(f"the package {BUILTIN_PACKAGE} has no {BUILTIN_FILE}")
     return path
-
-
-def cache_root() -> str:
-    return os.environ.get("RINGSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ringserve")
 
 
 def converted_folder(gguf_path: str, show_progress: bool = False) -> str:

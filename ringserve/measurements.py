@@ -1,15 +1,21 @@
 """Machine measurements the engine's choices use (allreduce bands, CP rates), stored as JSON
-under the cache folder (RINGSERVE_CACHE, default ~/.cache/ringserve), keyed by device type."""
+under the cache folder (ringserve/cache_dir.py), keyed by device type."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+
+from ringserve.cache_dir import cache_root
+from ringserve.errors import MeasurementRejected
+
+# Timings per measured cell (`--repeats` of `ringserve bench allreduce` / `cp-calibrate`);
+# their median is what counts, so one noisy timing cannot decide a setting.
+DEFAULT_REPEATS = 5
 
 
 def measurement_path(name: str) -> str:
-    from ringserve.gguf_import import cache_root
-
     return os.path.join(cache_root(), f"{name}.json")
 
 
@@ -43,3 +49,16 @@ def save_measurement(name: str, value, *keys: str) -> str:
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
     return path
+
+
+def save_unless_contradicted(problems: list[str], advice: str, save: bool, store: Callable[[], str]) -> None:
+    """Store a derived setting (store() saves it and returns the path) only if nothing in the
+    table it came from contradicts it: else MeasurementRejected (when saving) or a warning
+    (printing only), naming each problem and what to do; the stored value stays as it was."""
+    if problems:
+        message = "; ".join(problems) + ". " + advice
+        if save:
+            raise MeasurementRejected(message + "; nothing was saved")
+        print(f"warning: {message}")
+    elif save:
+        print(f"saved to {store()}")

@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """Every test, and every process a test starts (ranks, servers, the CLI), keeps its
+    measurements and GGUF conversions in one temporary cache of this session, never the
+    user's ~/.cache/ringserve: set before any test runs, inherited by subprocesses. The
+    built-in model is converted into it once per session (~15-20 s, by `builtin_dir`)."""
+    from ringserve.cache_dir import CACHE_ENV
+
+    config.ringserve_cache = tempfile.mkdtemp(prefix="ringserve-test-cache-")
+    os.environ[CACHE_ENV] = config.ringserve_cache
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(getattr(config, "ringserve_cache", ""), ignore_errors=True)
+
 
 # Small enough to be quick on 2 cores, big enough to exercise GQA, q/k norms, rope scaling,
 # MoE routing with dense layers, and tied embeddings.

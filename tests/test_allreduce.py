@@ -58,23 +58,10 @@ def test_unknown_backend():
         AllReduce(None, "ring")
 
 
-def test_thresholds_from_measured_latency():
-    from ringserve.parallel.allreduce_bench import thresholds_from
-
-    sizes = [1, 2, 3, 4, 5]
-    fastest = {1: "one_shot", 2: "one_shot", 3: "two_shot", 4: "one_shot", 5: "torch"}
-    latency = {
-        (n, a): (1.0 if a == fastest[n] else 2.0) for n in sizes for a in ("torch", "one_shot", "two_shot")
-    }
-    assert thresholds_from(latency, sizes) == {"one_shot_max_bytes": 2, "two_shot_max_bytes": 4}
-    fastest[1] = "torch"
-    latency = {
-        (n, a): (1.0 if a == fastest[n] else 2.0) for n in sizes for a in ("torch", "one_shot", "two_shot")
-    }
-    assert thresholds_from(latency, sizes) == {"one_shot_max_bytes": 0, "two_shot_max_bytes": 0}
-
-
 def test_bench_allreduce_command_stores_thresholds(tmp_path, monkeypatch, capsys):
+    """Real timings on two gloo ranks. One size: whichever backend wins there, size bands can
+    follow it, so a busy machine cannot make the result contradict its table (that refusal
+    is tested on synthetic tables in test_measured_settings.py)."""
     from ringserve.cli import main
 
     monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))
@@ -88,10 +75,11 @@ def test_bench_allreduce_command_stores_thresholds(tmp_path, monkeypatch, capsys
                 "--device",
                 "cpu",
                 "--sizes",
-                "1024",
                 "65536",
                 "--iters",
                 "2",
+                "--repeats",
+                "3",
             ]
         )
         == 0

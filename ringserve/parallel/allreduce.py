@@ -51,6 +51,16 @@ def save_thresholds(device_type: str, world_size: int, thresholds: dict) -> str:
     return save_measurement("allreduce_thresholds", thresholds, device_type, str(world_size))
 
 
+def backend_for(nbytes: int, thresholds: dict) -> str:
+    """auto's algorithm for a message of nbytes: three contiguous size bands, one_shot up to
+    one_shot_max_bytes, two_shot up to two_shot_max_bytes, torch above."""
+    if nbytes <= thresholds["one_shot_max_bytes"]:
+        return "one_shot"
+    if nbytes <= thresholds["two_shot_max_bytes"]:
+        return "two_shot"
+    return "torch"
+
+
 class AllReduce:
     """x -> sum of x over `group`, by the configured algorithm."""
 
@@ -86,11 +96,7 @@ class AllReduce:
         """The algorithm for a message of `nbytes` bytes."""
         if self.backend != "auto":
             return self.backend
-        if nbytes <= self.thresholds["one_shot_max_bytes"]:
-            return "one_shot"
-        if nbytes <= self.thresholds["two_shot_max_bytes"]:
-            return "two_shot"
-        return "torch"
+        return backend_for(nbytes, self.thresholds)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:

@@ -44,7 +44,7 @@ BAD_PARAMS = [
     (dict(top_p=float("nan")), r"top_p must be a number in \(0, 1\], got nan"),
     (dict(top_p=0), r"top_p must be a number in \(0, 1\], got 0"),
     (dict(top_k=2.5), r"top_k must be an integer"),
-    (dict(max_tokens=-3), r"max_tokens must be an integer >= 1, got -3"),
+    (dict(max_tokens=-3), r"max_tokens must be an integer >= 0, got -3"),
     (dict(max_tokens=0), r"max_tokens must be an integer >= 1, got 0"),
     (dict(max_tokens=2.0), r"max_tokens must be an integer >= 1, got 2.0"),
     (dict(max_tokens=True), r"max_tokens must be an integer >= 1, got True"),

@@ -179,7 +179,7 @@ class ParallelConfig:
     tp: int = 1
     cp: int = 1
     ep: int = 1
-    ranks_per_host: int | None = None  # EP groups spanning hosts use the two-shot all-to-all
+    ranks_per_host: int | None = None  # of the whole world (None: one host); parallel/mesh.py
 
     def __post_init__(self):
         for name in ("tp", "cp", "ep"):

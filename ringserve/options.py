@@ -61,8 +61,9 @@ class EngineOptions:
     ep: int = _opt(1, "expert-parallel ranks (MoE models): equal to tp, cp or tp x cp")
     ranks_per_host: int | None = _opt(
         None,
-        "EP ranks per host; an EP group spanning hosts uses the two-shot all-to-all "
-        "(default under torchrun: its LOCAL_WORLD_SIZE)",
+        "processes per host (hosts hold consecutive ranks, rank = cp_rank x tp + tp_rank); "
+        "an EP group spanning hosts uses the two-shot all-to-all "
+        "(default under torchrun: its LOCAL_WORLD_SIZE; otherwise one host)",
     )
     allreduce: str = _opt(
         "auto",

@@ -1,14 +1,17 @@
 """Expert parallelism on gloo ranks: against the single-rank result (checked against
 transformers by the model tests), transformers itself, and the flat all-to-all."""
 
+import datetime
+
 import pytest
 import torch
-import torch.distributed as dist
 
 from ringserve import LLM, SamplingParams
+from ringserve.config import ParallelConfig
 from ringserve.model import Experts
 from ringserve.parallel.ep import ExpertParallel, LocalExperts
 from ringserve.parallel.local_world import run_local_world
+from ringserve.parallel.mesh import Mesh, build_groups
 
 from conftest import hf_model
 from helpers import engine_logits, hf_greedy
@@ -34,6 +37,8 @@ def outputs(folder, **kw):
         ("mixtral", dict(tp=4, ep=4)),
         ("qwen3_moe", dict(cp=2, ep=2)),
         ("mixtral", dict(tp=2, cp=2, ep=4, ranks_per_host=2)),  # two hosts of 2: two-shot
+        # Two EP groups (the TP pairs), each spanning two hosts of one rank: two-shot.
+        ("mixtral", dict(tp=2, cp=2, ep=2, ranks_per_host=1)),
     ],
 )
 def test_ep_equals_single_rank_and_transformers(arch, layout, tiny_model_dir):
@@ -55,46 +60,65 @@ def _experts(num_experts, seed=0):
     return e
 
 
-def _ep_rank(rank, world_size, ranks_per_host, routing):
+def _ep_rank(rank, world_size, parallel):
+    """Each EP group of the mesh runs its experts flat and two-shot, with random and skewed
+    routing, against every expert run on this rank."""
+    groups = build_groups(Mesh.of(parallel), rank, torch.device("cpu"), datetime.timedelta(seconds=30))
     torch.manual_seed(0)
     num_experts, top_k, tokens = 8, 2, 24
     full = _experts(num_experts)
-    g = torch.Generator().manual_seed(100 + rank)  # every rank has its own tokens
-    x = torch.randn(tokens, 16, generator=g)
-    if routing == "skewed":  # every choice on rank 0's experts: the others receive nothing
-        ids = torch.stack([torch.zeros(tokens, dtype=torch.int64), torch.ones(tokens, dtype=torch.int64)], 1)
-    else:
-        ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
-    w = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
-    expected = LocalExperts(lambda y: y)(full, x, ids, w)
-    per = num_experts // world_size
+    per = num_experts // groups.ep_size
     mine = Experts(per, 16, 24)
     with torch.no_grad():
         for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(mine, name).copy_(getattr(full, name)[rank * per : (rank + 1) * per])
-    flat = ExpertParallel(dist.group.WORLD, num_experts, ranks_per_host=ranks_per_host, two_shot=False)
-    two = ExpertParallel(dist.group.WORLD, num_experts, ranks_per_host=ranks_per_host, two_shot=True)
-    got_flat, got_two = flat(mine, x, ids, w), two(mine, x, ids, w)
-    return (
-        (got_flat - expected).abs().max().item(),
-        (got_two - expected).abs().max().item(),
-        flat.cross_host_bytes,
-        two.cross_host_bytes,
-    )
+            getattr(mine, name).copy_(getattr(full, name)[groups.ep_rank * per : (groups.ep_rank + 1) * per])
+    hosts = (groups.ep_intra_host_group, groups.ep_peer_group)
+    results = {}
+    for routing in ("random", "skewed"):
+        g = torch.Generator().manual_seed(100 + rank)  # every rank has its own tokens
+        x = torch.randn(tokens, 16, generator=g)
+        if routing == "skewed":  # every choice on EP rank 0's experts: the others receive nothing
+            ids = torch.tensor([[0, 1]] * tokens)
+        else:
+            ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+        w = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
+        expected = LocalExperts(lambda y: y)(full, x, ids, w)
+        flat = ExpertParallel(groups.ep_group, num_experts, None, *hosts, two_shot=False)
+        two = ExpertParallel(groups.ep_group, num_experts, None, *hosts)
+        got_flat, got_two = flat(mine, x, ids, w), two(mine, x, ids, w)
+        results[routing] = (
+            (got_flat - expected).abs().max().item(),
+            (got_two - expected).abs().max().item(),
+            flat.cross_host_bytes,
+            two.cross_host_bytes,
+            two.two_shot,
+        )
+    return results
 
 
-@pytest.mark.parametrize("routing", ["random", "skewed"])
-def test_two_shot_equals_flat_and_sends_less_across_hosts(routing):
-    results = run_local_world(_ep_rank, 4, 2, routing, timeout_s=60)
-    for err_flat, err_two, _, _ in results:
-        assert err_flat < 1e-5 and err_two < 1e-5
-    flat_bytes = sum(r[2] for r in results)
-    two_bytes = sum(r[3] for r in results)
-    assert 0 < two_bytes < flat_bytes
-    if routing == "skewed":
-        # Both choices of every token live on rank 0: flat sends two rows per token from the
-        # other host, two-shot one.
-        assert two_bytes * 2 == flat_bytes
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        ParallelConfig(cp=4, ep=4, ranks_per_host=2),  # one EP group over two hosts of 2
+        # Two EP groups (the CP groups 0,2,4,6 and 1,3,5,7), each with two ranks on each of
+        # two hosts of 4.
+        ParallelConfig(tp=2, cp=4, ep=4, ranks_per_host=4),
+    ],
+)
+def test_two_shot_equals_flat_and_sends_less_across_hosts(parallel):
+    per_rank = run_local_world(_ep_rank, parallel.world_size, parallel, timeout_s=60)
+    for routing in ("random", "skewed"):
+        results = [r[routing] for r in per_rank]
+        for err_flat, err_two, _, _, two_shot in results:
+            assert err_flat < 1e-5 and err_two < 1e-5
+            assert two_shot
+        flat_bytes = sum(r[2] for r in results)
+        two_bytes = sum(r[3] for r in results)
+        assert 0 < two_bytes < flat_bytes
+        if routing == "skewed":
+            # Both choices of every token live on EP rank 0: flat sends two rows per token
+            # from the other host, two-shot one.
+            assert two_bytes * 2 == flat_bytes
 
 
 def test_ep_must_match_the_processes():

@@ -39,6 +39,7 @@ from ringserve.gguf_import import builtin_model_path, converted_folder
 from ringserve.options import EngineOptions
 from ringserve.outputs import RequestOutput, TokenLogprob
 from ringserve.parallel.cp import CPCalibration, choose_cp_algo
+from ringserve.parallel.mesh import Mesh
 from ringserve.parallel.tp import validate_tp
 from ringserve.sampling_params import SamplingParams
 
@@ -178,6 +179,7 @@ class LLMEngine:
                 f"ep={parallel.ep} needs a mixture-of-experts model whose experts divide evenly; "
                 f"{config.architecture} has {config.num_experts} experts"
             )
+        Mesh.of(parallel)  # raises for hosts (ranks_per_host) the layout cannot fill evenly
         self.dtype = resolve_dtype(options.dtype, config.dtype, self.device)
         self.max_model_len = ec.max_model_len or config.max_position_embeddings
         spec = WorkerSpec(

@@ -70,7 +70,6 @@ class WorkerSpec:
             self.allreduce,
             weights=weights,
             show_progress=show_progress,
-            ranks_per_host=self.parallel.ranks_per_host,
         )
 
 
@@ -104,9 +103,8 @@ def _join(
     spec: WorkerSpec, rank: int, world_size: int, local_rank: int, init_method: str, check_peers=None
 ) -> ParallelGroups:
     if spec.parallel.ranks_per_host is None and "LOCAL_WORLD_SIZE" in os.environ:
-        # torchrun knows the hosts: an EP group spanning them goes two-shot.
-        local = int(os.environ["LOCAL_WORLD_SIZE"])
-        spec.parallel.ranks_per_host = local if local < world_size else None
+        # torchrun knows the hosts (its processes per host): the mesh's host dimension.
+        spec.parallel.ranks_per_host = int(os.environ["LOCAL_WORLD_SIZE"])
     groups = init_groups(
         spec.parallel, rank, world_size, spec.device(local_rank), init_method, spec.timeout_s, check_peers
     )

@@ -37,7 +37,6 @@ class Worker:
         allreduce: str = "auto",
         weights: Mapping[str, torch.Tensor] | None = None,
         show_progress: bool = False,
-        ranks_per_host: int | None = None,
     ):
         self.groups = groups
         self.device = groups.device
@@ -57,7 +56,11 @@ class Worker:
         self.all_reduce = AllReduce(groups.tp_group, allreduce, self.device)
         if groups.ep_size > 1:
             self.run_experts = ExpertParallel(
-                groups.ep_group, config.num_experts, groups.ep_replicated_group, ranks_per_host
+                groups.ep_group,
+                config.num_experts,
+                groups.ep_replicated_group,
+                groups.ep_intra_host_group,
+                groups.ep_peer_group,
             )
         else:
             self.run_experts = LocalExperts(self.all_reduce)

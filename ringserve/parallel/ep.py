@@ -10,7 +10,7 @@ routing (expert id and weight). The receiving rank runs each local expert once o
 group and weights the outputs; the reverse all-to-all (combine) brings them home, where
 they are summed per token. Exact: no capacity limit, no dropped token.
 
-When the EP group spans hosts (`ranks_per_host`), the all-to-all is two-shot: a token's
+When the EP group spans hosts (the mesh's host dimension), the all-to-all is two-shot: a token's
 choices bound for one destination rank travel as one row (its expert ids and weights, -1
 where unused), first inside the host to the rank whose local index matches the
 destination's, then across hosts between those peer ranks. So a token crosses the host
@@ -88,7 +88,9 @@ class ExpertParallel:
 
     replicated_group: the ranks that hold the same tokens (TP ranks inside the EP group):
     each dispatches an equal share of the tokens, and the results are gathered back.
-    ranks_per_host: EP ranks per host (host-major); below the group size, two-shot.
+    intra_host_group, peer_group: where the EP group spans hosts, its ranks on this rank's
+    host and its ranks of this rank's local index (one per host), from the mesh
+    (ParallelGroups); EP ranks are host-major. Given, the all-to-all is two-shot.
     """
 
     def __init__(
@@ -96,7 +98,8 @@ class ExpertParallel:
         group,
         num_experts: int,
         replicated_group=None,
-        ranks_per_host: int | None = None,
+        intra_host_group=None,
+        peer_group=None,
         two_shot: bool | None = None,
     ):
         self.group = group
@@ -104,27 +107,12 @@ class ExpertParallel:
         self.rank = dist.get_rank(group)
         self.experts_per_rank = num_experts // self.size
         self.replicated_group = replicated_group
-        self.per_host = ranks_per_host if ranks_per_host and ranks_per_host < self.size else self.size
-        if self.size % self.per_host:
-            raise ValueError(f"ep={self.size} ranks do not fill hosts of {self.per_host} ranks")
+        self.intra, self.peers = intra_host_group, peer_group
+        self.per_host = dist.get_world_size(self.intra) if self.intra is not None else self.size
         self.two_shot = (self.per_host < self.size) if two_shot is None else two_shot
-        self.intra = self.peers = None
-        if self.two_shot:
-            self._make_host_groups()
+        if self.two_shot and (self.intra is None or self.peers is None):
+            raise ValueError("the two-shot all-to-all needs the EP group's intra-host and peer groups")
         self.cross_host_bytes = 0
-
-    def _make_host_groups(self):
-        ranks = [dist.get_global_rank(self.group, r) for r in range(self.size)]
-        host, local = divmod(self.rank, self.per_host)
-        # Every rank creates every group, in the same order (new_group is collective).
-        for h in range(self.size // self.per_host):
-            g = dist.new_group(ranks[h * self.per_host : (h + 1) * self.per_host])
-            if h == host:
-                self.intra = g
-        for lr in range(self.per_host):
-            g = dist.new_group(ranks[lr :: self.per_host])
-            if lr == local:
-                self.peers = g
 
     def __call__(self, experts: Experts, x, expert_ids, weights):
         if self.replicated_group is None:

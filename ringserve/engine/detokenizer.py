@@ -17,6 +17,12 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special = seq.params.skip_special_tokens
         self.ids = list(seq.prompt_token_ids[-_CONTEXT_TOKENS:])
+        # A context that starts inside a character (byte-fallback tokens of a SentencePiece
+        # vocabulary, or byte-level BPE) decodes to U+FFFD, and with a byte-fallback decoder
+        # it garbles every byte token joined to it, so the output's first characters would
+        # never decode: start the context at a character instead.
+        while self.ids and self._decode(self.ids).startswith("\ufffd"):
+            del self.ids[0]
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.stops = seq.params.stop

@@ -45,9 +45,8 @@ BAD_PARAMS = [
     (dict(top_p=0), r"top_p must be a number in \(0, 1\], got 0"),
     (dict(top_k=2.5), r"top_k must be an integer"),
     (dict(max_tokens=-3), r"max_tokens must be an integer >= 0, got -3"),
-    (dict(max_tokens=0), r"max_tokens must be an integer >= 1, got 0"),
-    (dict(max_tokens=2.0), r"max_tokens must be an integer >= 1, got 2.0"),
-    (dict(max_tokens=True), r"max_tokens must be an integer >= 1, got True"),
+    (dict(max_tokens=2.0), r"max_tokens must be an integer >= 0, got 2.0"),
+    (dict(max_tokens=True), r"max_tokens must be an integer >= 0, got True"),
     (dict(seed=1.5), r"seed must be an integer, got 1.5"),
     (dict(stop=[3]), r"stop must be a string or a list of strings, got \[3\]"),
     (dict(stop_token_ids=[1.5]), r"stop_token_ids must be a list of integers, got \[1.5\]"),
@@ -73,7 +72,7 @@ def test_bad_sampling_field_is_refused_up_front(fields, error):
 def test_fields_changed_after_construction_are_checked_when_added(llm, expected):
     for field, value, error in (
         ("temperature", float("nan"), "temperature must be a finite number"),
-        ("max_tokens", -1, "max_tokens must be an integer >= 1"),
+        ("max_tokens", -1, "max_tokens must be an integer >= 0"),
         ("max_tokens", 10**12, r"max_tokens=1000000000000 can never be reached: the model's context is 64"),
         ("logprobs", 10**9, "logprobs=1000000000 is more than the vocabulary's 49152 tokens"),
     ):

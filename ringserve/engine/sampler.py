@@ -149,12 +149,19 @@ def _gumbel_triton(key, key2, vocab_size: int) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
+    def _mul32_tl(x, c):
+        # (x * c) mod 2^32 with x uint32: the product is taken in uint64 and masked, so the
+        # result does not depend on how Triton types the constant (0x846CA68B does not fit
+        # an int32; compiled, the unmasked form differed from the CPU's hash on an H200).
+        return ((x.to(tl.uint64) * c) & 0xFFFFFFFF).to(tl.uint32)
+
+    @triton.jit
     def _mix32_tl(x):
-        # lowbias32 on uint32: multiplication wraps mod 2^32, as _mul32 computes it.
+        # lowbias32 on uint32, as _mix32 computes it.
         x = x ^ (x >> 16)
-        x = x * 0x7FEB352D
+        x = _mul32_tl(x, 0x7FEB352D)
         x = x ^ (x >> 15)
-        x = x * 0x846CA68B
+        x = _mul32_tl(x, 0x846CA68B)
         return x ^ (x >> 16)
 
     @triton.jit

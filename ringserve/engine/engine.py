@@ -501,6 +501,7 @@ class LLMEngine:
         seq.finish_reason, seq.stop_reason = "error", None
         out = self._output(seq, [])
         out.error = f"{type(error).__name__}: {error}"
+        self.seqs.pop(seq.request_id, None)
         return out
 
     def _choose_cp_algo(self, batch) -> str:

@@ -337,3 +337,17 @@ def test_unseeded_requests_get_their_own_seed():
 
 def test_empty_batch():
     assert sample(torch.zeros(0, 10), []) == []
+
+
+def test_gumbel_noise_is_finite_and_exact_at_the_extreme_hashes():
+    """The largest noise comes from hashes whose top 24 bits are all ones (u = 1 - 2^-25):
+    it must be finite (in float32, u rounds to 1.0 there and the noise to +inf, a token that
+    wins whatever its logit, even one top-k removed) and equal -log(-log(u)) in float64."""
+    from ringserve.engine.sampler import _gumbel_of_hash
+
+    h = torch.tensor([0, 1 << 8, (1 << 32) - (1 << 9), (1 << 32) - 1], dtype=torch.int64)
+    noise = _gumbel_of_hash(h)
+    u = ((h >> 8).double() + 0.5) / (1 << 24)
+    expected = (-torch.log(-torch.log(u))).float()
+    assert torch.isfinite(noise).all()
+    torch.testing.assert_close(noise, expected, rtol=0, atol=0)

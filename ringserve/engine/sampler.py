@@ -129,10 +129,17 @@ def _gumbel(t: SamplingTensors, vocab_size: int) -> torch.Tensor:
         return _gumbel_triton(key, key2, vocab_size)
     index = torch.arange(vocab_size, device=key.device, dtype=torch.int64)
     h = _mix32(_mix32(key[:, None] ^ index) ^ key2[:, None])  # [S, V] in [0, 2^32)
-    # The top 24 bits give u in (0, 1) strictly, exact in float32: 2^-25 <= u <= 1 - 2^-25,
-    # so -log(u) > 0 and the noise is finite.
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(u))
+    return _gumbel_of_hash(h)
+
+
+def _gumbel_of_hash(h: torch.Tensor) -> torch.Tensor:
+    """Hashes in [0, 2^32) (int64) -> float32 Gumbel noise."""
+    # The top 24 bits give u in (0, 1) strictly: 2^-25 <= u <= 1 - 2^-25, exact in float64
+    # (not in float32, where u near 1 rounds to 1.0 and the noise to +inf), so -log(u) > 0
+    # and the noise is finite. The largest noise, which wins the argmax, comes from u near
+    # 1, where -log(u) is tiny: float64 keeps it exact enough.
+    u = ((h >> 8).to(torch.float64) + 0.5) * (1.0 / (1 << 24))
+    return (-torch.log(-torch.log(u))).to(torch.float32)
 
 
 def _gumbel_triton(key, key2, vocab_size: int) -> torch.Tensor:
@@ -171,8 +178,10 @@ if triton is not None:
         key = tl.load(key_ptr + row).to(tl.uint32)
         key2 = tl.load(key2_ptr + row).to(tl.uint32)
         h = _mix32_tl(_mix32_tl(key ^ index.to(tl.uint32)) ^ key2)
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        noise = -tl.log(-tl.log(u))
+        # float64 as in _gumbel: in float32, u near 1 rounds to 1.0, and the GPU's fast log
+        # loses -log(u) there, where the largest noise (the argmax's winner) comes from.
+        u = ((h >> 8).to(tl.float64) + 0.5) * (1.0 / 16777216.0)
+        noise = (-tl.log(-tl.log(u))).to(tl.float32)
         tl.store(out_ptr + row.to(tl.int64) * stride_out + index, noise, mask=index < vocab_size)
 
 

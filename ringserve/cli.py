@@ -151,6 +151,11 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     serve.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log each HTTP request as one JSON line (method, path, status, duration, client); default off",
+    )
+    serve.add_argument(
         "--served-model-name", default=None, help="the model's name in the API (default: MODEL as given)"
     )
     serve.add_argument(
@@ -194,7 +199,21 @@ def _serve(args) -> int:
         return 2
     name = args.served_model_name or options.model or "SmolLM2-135M-Instruct"
     log_level = "debug" if getattr(args, "verbose", 0) > 1 else "info"
-    return run_server(llm.engine, name, args.host, args.port, args.api_key, args.max_waiting, log_level)
+    if args.access_log:  # its own handler: the JSON lines show whatever the log level
+        access = logging.getLogger("ringserve.access")
+        access.setLevel(logging.INFO)
+        access.addHandler(logging.StreamHandler(sys.stderr))
+        access.propagate = False
+    return run_server(
+        llm.engine,
+        name,
+        args.host,
+        args.port,
+        args.api_key,
+        args.max_waiting,
+        log_level,
+        access_log=args.access_log,
+    )
 
 
 def _generate(args) -> int:

@@ -837,3 +837,21 @@ def test_serve_refuses_bad_server_flags(flag, value, capsys):
 
     assert main(["serve", flag, value]) == 2
     assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_access_log_is_off_by_default_and_structured_when_on(caplog):
+    from starlette.testclient import TestClient
+
+    caplog.set_level("INFO", logger="ringserve.access")
+    with TestClient(build_app(FakeEngine(None), "fake")) as client:
+        assert client.get("/health").status_code == 200
+    assert not [r for r in caplog.records if r.name == "ringserve.access"]
+    with TestClient(build_app(FakeEngine(None), "fake", access_log=True)) as client:
+        assert client.get("/health").status_code == 200
+        assert client.post("/v1/completions", json={"prompt": ""}).status_code == 400
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "ringserve.access"]
+    assert [(line["method"], line["path"], line["status"]) for line in lines] == [
+        ("GET", "/health", 200),
+        ("POST", "/v1/completions", 400),
+    ]
+    assert all(line["duration_ms"] >= 0 for line in lines)

@@ -23,6 +23,7 @@ from ringserve.errors import RequestError, RingserveError
 from ringserve.outputs import RequestOutput, TokenLogprob
 from ringserve.sampling_params import SamplingParams
 from ringserve.server import protocol as P
+from ringserve.server.access_log import AccessLog
 from ringserve.server.async_engine import AsyncEngine, EngineStoppedError, OverloadedError
 from ringserve.server.metrics import Metrics
 from ringserve.server.openapi import (
@@ -518,8 +519,10 @@ def build_app(
     max_waiting: int = 1024,
     on_fatal: Callable[[BaseException], None] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    access_log: bool = False,
 ) -> FastAPI:
-    """The app over an LLMEngine; the engine loop starts and stops with the app's lifespan."""
+    """The app over an LLMEngine; the engine loop starts and stops with the app's lifespan.
+    access_log: one JSON line per request on the `ringserve.access` logger."""
     server = Server(engine, served_model_name, max_waiting, on_fatal)
 
     @contextlib.asynccontextmanager
@@ -534,6 +537,8 @@ def build_app(
     app.state.server = server
     app.add_middleware(_ApiKey, api_key=api_key)
     app.add_middleware(_BodyLimit, limit=max_body_bytes)
+    if access_log:
+        app.add_middleware(AccessLog)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -633,6 +638,7 @@ def run_server(
     max_waiting: int = 1024,
     log_level: str = "info",
     graceful_timeout_s: float = 10.0,
+    access_log: bool = False,
 ) -> int:
     """Serve until SIGTERM / Ctrl-C (exit 0: in-flight requests end, the engine closes), or
     until a parallel worker dies (exit 1)."""
@@ -644,9 +650,14 @@ def run_server(
         logger.error("a parallel worker failed; the server stops: %s", error)
         holder["server"].should_exit = True
 
-    app = build_app(engine, served_model_name, api_key, max_waiting, on_fatal)
+    app = build_app(engine, served_model_name, api_key, max_waiting, on_fatal, access_log=access_log)
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=graceful_timeout_s,
+        access_log=False,  # ours, structured, when asked for
     )
     server = holder["server"] = uvicorn.Server(config)
     # uvicorn re-raises the signal that stopped it once it has shut down; handlers that do

@@ -111,6 +111,17 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
+def options_and_sampling(args):
+    """(EngineOptions, SamplingParams) from the flags, or None after printing the error."""
+    try:
+        return from_cli_args(args), sampling_params(args)
+    except OptionError as e:
+        print(f"error: {cli_error(e)}", file=sys.stderr)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+    return None
+
+
 def sampling_params(args):
     """The SamplingParams the sampling flags give; a bad value raises RequestError (a ValueError)."""
     from ringserve import SamplingParams
@@ -219,13 +230,12 @@ def _serve(args) -> int:
 def _generate(args) -> int:
     from ringserve.errors import RingserveError
 
-    try:
-        options = from_cli_args(args)  # before stdin is read: a bad flag answers at once
-        prompts = _prompts(args.prompt)
-        params = sampling_params(args)
-    except OptionError as e:
-        print(f"error: {cli_error(e)}", file=sys.stderr)
+    parsed = options_and_sampling(args)  # before stdin is read: a bad flag answers at once
+    if parsed is None:
         return 2
+    options, params = parsed
+    try:
+        prompts = _prompts(args.prompt)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

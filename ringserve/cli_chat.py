@@ -15,7 +15,7 @@ import threading
 
 from ringserve import cli
 from ringserve.errors import RequestError, RingserveError
-from ringserve.options import OptionError, add_cli_args, cli_error, from_cli_args
+from ringserve.options import add_cli_args
 
 EXIT_COMMANDS = ("/exit", "/quit")
 
@@ -39,15 +39,10 @@ def run_chat(args) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    try:
-        options = from_cli_args(args)
-        params = cli.sampling_params(args)
-    except OptionError as e:
-        print(f"error: {cli_error(e)}", file=sys.stderr)
+    parsed = cli.options_and_sampling(args)
+    if parsed is None:
         return 2
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    options, params = parsed
     llm = cli.start_llm(options)
     if llm is None:
         return 2

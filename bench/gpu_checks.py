@@ -259,6 +259,18 @@ def check_sampler():
         torch.cuda.set_sync_debug_mode("default")
     cpu = sample_tokens(logits.cpu(), SamplingTensors.from_seqs(seqs, torch.device("cpu"), logits.shape[1]))
     same = (tokens.cpu() == cpu).float().mean().item()
+    # Where a difference comes from: the noise (integer hash, then float64 logs) or the filters.
+    from ringserve.engine.sampler import _gumbel, filtered_logits
+
+    cpu_tensors = SamplingTensors.from_seqs(seqs, torch.device("cpu"), logits.shape[1])
+    noise_gpu, noise_cpu = _gumbel(tensors, logits.shape[1]).cpu(), _gumbel(cpu_tensors, logits.shape[1])
+    kept_gpu = filtered_logits(logits, tensors).isfinite().cpu()
+    kept_cpu = filtered_logits(logits.cpu(), cpu_tensors).isfinite()
+    print(
+        f"sampler parts: noise max |GPU - CPU| {(noise_gpu - noise_cpu).abs().max().item():.3g}, "
+        f"equal {(noise_gpu == noise_cpu).float().mean().item():.4f}; kept-token masks differ in "
+        f"{(kept_gpu != kept_cpu).sum().item()} of {kept_cpu.numel()} entries"
+    )
     from common import event_time_ms
 
     ms = event_time_ms(lambda: sample_tokens(logits, tensors))

@@ -38,6 +38,11 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--trace-dir", default=os.environ.get("OUT"))
+    # bench_decode.py sizes its engine for 128K prompts and 64 x 1K batches: the same here
+    # shows whether a short prefill pays for the engine's size.
+    parser.add_argument("--max-model-len", type=int, default=0)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0)
+    parser.add_argument("--kv-gib", type=float, default=8)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -53,10 +58,10 @@ def main():
         dtype="bfloat16",
         weights=hf.state_dict(),
         engine_config=EngineConfig(
-            max_model_len=max(args.lengths) + 64,
-            max_num_batched_tokens=max(args.lengths) + 64,
+            max_model_len=args.max_model_len or max(args.lengths) + 64,
+            max_num_batched_tokens=args.max_num_batched_tokens or max(args.lengths) + 64,
             max_num_seqs=64,
-            kv_cache_memory=8 << 30,
+            kv_cache_memory=int(args.kv_gib * (1 << 30)),
             enable_prefix_caching=False,
         ),
     )

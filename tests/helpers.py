@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import torch
 
 from ringserve.engine.block_manager import BlockManager
-from ringserve.engine.runner import StepInput
 from ringserve.engine.scheduler import ScheduledBatch
 from ringserve.engine.sequence import Sequence
+from ringserve.engine.step_input import StepInput
 from ringserve.parallel.cp import RingStep
 from ringserve.sampling_params import SamplingParams
 

@@ -11,9 +11,9 @@ import torch
 
 from ringserve import LLM, SamplingParams
 from ringserve.engine.graphs import DecodeGraphs, decode_buckets
-from ringserve.engine.runner import StepInput
 from ringserve.engine.scheduler import ScheduledBatch
 from ringserve.engine.sequence import Sequence
+from ringserve.engine.step_input import StepInput
 
 KERNEL_SCRIPT = r"""
 import torch

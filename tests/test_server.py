@@ -571,7 +571,7 @@ class FakeEngine:
     def tokenize(self, prompt, chat=False):
         return list(prompt)
 
-    def _check_prompt(self, ids):
+    def check_prompt(self, ids):
         if not ids:
             raise RequestError("the prompt is empty")
 

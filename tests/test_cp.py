@@ -6,11 +6,12 @@ import torch
 
 from ringserve import LLM, SamplingParams
 from ringserve.attention import VarlenBatch, attention_with_lse
+from ringserve.engine.logits_probe import engine_logits
 from ringserve.parallel.cp import CPCalibration, RingAttention, choose_cp_algo
 from ringserve.parallel.cp_layout import place_blocks
 from ringserve.parallel.local_world import run_local_world
 
-from helpers import engine_logits, ring_step
+from helpers import ring_step
 
 BS = 4  # small KV blocks so that short prompts spread over every rank
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)

@@ -84,8 +84,8 @@ ENGINE_SCRIPT = r"""
 import sys
 sys.path.insert(0, "tests")
 import torch
-from conftest import hf_model, save_tiny_model
-from helpers import engine_logits
+from ringserve.tiny_models import hf_model, save_tiny_model
+from ringserve.engine.logits_probe import engine_logits
 from ringserve.engine.engine import LLMEngine
 from ringserve.config import EngineConfig
 import tempfile

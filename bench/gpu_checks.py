@@ -3,22 +3,24 @@ tiny models through the engine against transformers on the same GPU."""
 
 from __future__ import annotations
 
-import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, "tests")
-from ringserve import (  # noqa: E402
+from ringserve import (
     LLM,
     SamplingParams,
-    lse_merge,  # noqa: E402
+    lse_merge,
 )
-from ringserve.attention import VarlenBatch, _math_varlen, attention_with_lse  # noqa: E402
-from ringserve.engine.engine import LLMEngine  # noqa: E402
-
-from conftest import ARCHITECTURES, hf_model, save_tiny_model  # noqa: E402
-from helpers import engine_logits, hf_greedy  # noqa: E402
+from ringserve.attention import VarlenBatch, _math_varlen, attention_with_lse
+from ringserve.engine.engine import LLMEngine
+from ringserve.engine.logits_probe import engine_logits
+from ringserve.tiny_models import (
+    ARCHITECTURES,
+    hf_greedy,
+    hf_model,
+    save_tiny_model,
+)
 
 
 def rel(a, b):

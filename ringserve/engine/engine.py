@@ -511,6 +511,7 @@ class LLMEngine:
             return self.cp_algo
         c = self.model_config
         new = sum(batch.num_tokens)
+        # the cached keys the new tokens can see (all of them without local attention)
         cached = visible_cached_tokens(c.attention_windows, [seq.num_computed_tokens for seq in batch.seqs])
         algo = choose_cp_algo(
             new,
@@ -522,7 +523,7 @@ class LLMEngine:
             self.cp_calibration,
         )
         logger.debug(
-            "cp step: %d new, %d visible cached tokens over %d ranks -> %s",
+            "cp step: %d new, %d cached tokens over %d ranks -> %s",
             new,
             cached,
             self.parallel.cp,

@@ -145,8 +145,9 @@ def _windowed_ring_rank(rank, world_size, algo, window):
     return err, ring.skipped_steps, ring.transfers
 
 
-@pytest.mark.parametrize("algo", ["pass_kv", "pass_q"])
-@pytest.mark.parametrize("window", [AttentionWindow(sliding=5), AttentionWindow(chunk=8)], ids=str)
+@pytest.mark.parametrize(
+    "algo,window", [("pass_kv", AttentionWindow(sliding=5)), ("pass_q", AttentionWindow(chunk=8))], ids=str
+)
 def test_ring_skips_steps_outside_every_window(algo, window):
     """4 gloo ranks: the windowed ring equals the dense masked softmax, and ring steps
     between ranks whose keys no query sees are skipped (no attention call) with no
@@ -224,3 +225,84 @@ def test_mistral_under_cp2_matches_transformers_and_skips_steps(algo, tiny_model
     layers, steps = 2, 1 + 20
     assert ran[algo] == layers * steps and ran[({"pass_kv", "pass_q"} - {algo}).pop()] == 0
     assert ran["skipped"] > 0
+
+
+def _held_blocks(engine) -> int:
+    manager = engine.block_manager
+    return sum(1 for count in manager.ref_count if count > 0)
+
+
+def test_windowed_sequence_holds_a_bounded_number_of_blocks(tiny_model_dir):
+    """Every layer of the tiny Mistral has a window of 8: with blocks of 4, a sequence of
+    90 tokens holds at most the blocks its next token's window reaches (3, plus the one
+    being filled), counted after every step, while its greedy tokens still equal
+    transformers'; two sequences run at once, so released blocks are reused meanwhile."""
+    from ringserve import LLM, SamplingParams
+
+    from conftest import hf_model
+    from helpers import hf_greedy
+
+    folder = tiny_model_dir("mistral")
+    prompts = [MISTRAL_TOKENS[:30], MISTRAL_TOKENS[30:40]]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, enable_prefix_caching=False) as llm:
+        engine = llm.engine
+        ids = [engine.add_request(p, params) for p in prompts]
+        tokens = {i: [] for i in ids}
+        most = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            if len(engine.scheduler.running) == 2:
+                most = max(most, _held_blocks(engine))
+        assert _held_blocks(engine) == 0
+    # two sequences of 90 / 70 tokens: 23 + 18 blocks without releasing
+    assert 0 < most <= 2 * (-(-(7 + 4) // 4) + 1), most
+    ref = hf_model(folder)
+    for prompt, i in zip(prompts, ids):
+        assert tokens[i] == hf_greedy(ref, prompt, 60)
+
+
+def test_windowed_chunked_prefill_and_prefix_hit_match_transformers(tiny_model_dir):
+    """Prefill in chunks of 5 tokens (chunks end across window and block boundaries), then a
+    second request sharing a 24-token prefix (longer than the window): the hit reuses the
+    cached blocks that are still held, and both continue as transformers does."""
+    from ringserve import LLM, SamplingParams
+
+    from conftest import hf_model
+    from helpers import hf_greedy
+
+    folder = tiny_model_dir("mistral")
+    first, second = MISTRAL_TOKENS[:33], MISTRAL_TOKENS[:24] + MISTRAL_TOKENS[40:50]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    ref = hf_model(folder)
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=5) as llm:
+        assert llm.generate([first], params)[0].token_ids == hf_greedy(ref, first, 20)
+        before = llm.engine.num_computed_tokens
+        out = llm.generate([second], params)[0]
+        assert out.token_ids == hf_greedy(ref, second, 20)
+        assert out.num_cached_tokens == 24
+        assert llm.engine.num_computed_tokens - before == len(second) - 24 + 19
+
+
+def test_release_frees_exactly_the_blocks_before_the_next_tokens_lookback():
+    """Lookback 7, blocks of 4: after 30 computed tokens the next token (position 30) sees
+    positions 23.., so blocks 0-4 (positions 0-19) are released and block 5 (20-23) kept;
+    a model with a full layer (release off) keeps them all; freeing skips released ones."""
+    from ringserve.engine.block_manager import RELEASED, BlockManager
+    from ringserve.engine.sequence import Sequence
+    from ringserve.sampling_params import SamplingParams
+
+    for release in (True, False):
+        manager = BlockManager(16, 4, enable_prefix_caching=False, lookback=7, release_outside_window=release)
+        seq = Sequence("a", list(range(30)), SamplingParams())
+        assert manager.allocate(seq, 30)
+        seq.num_computed_tokens = 30
+        manager.release_outside_window(seq)
+        if release:
+            assert seq.block_table[:5] == [RELEASED] * 5 and RELEASED not in seq.block_table[5:]
+            assert manager.num_free_blocks == 16 - 3
+        else:
+            assert RELEASED not in seq.block_table and manager.num_free_blocks == 16 - 8
+        manager.free(seq)
+        assert manager.num_free_blocks == 16

@@ -306,3 +306,20 @@ def test_release_frees_exactly_the_blocks_before_the_next_tokens_lookback():
             assert RELEASED not in seq.block_table and manager.num_free_blocks == 16 - 8
         manager.free(seq)
         assert manager.num_free_blocks == 16
+
+
+def test_windowed_decode_under_cp_is_one_fused_call_over_each_windows_keys():
+    """A decode step of the ring (one query per sequence, after all its keys on this rank)
+    under a window: still the one fused varlen call, each sequence's keys starting at its
+    window (a suffix of them); a sequence whose window holds none of its keys here is left
+    out, and a prefill chunk takes the block plan."""
+    from ringserve.attention_plan import plan_seen
+
+    def t(*values):
+        return torch.tensor(values, dtype=torch.int64)
+
+    plan = plan_seen([0, 1, 2, 3], [0, 10, 14, 20], [t(10), t(4), t(6)], [t(6), t(0), t(6)])
+    layout = plan.decode
+    assert layout.rows == [0, 1] and layout.k_starts == [6, 10] and layout.k_counts == [4, 4]
+    chunk = plan_seen([0, 3], [0, 10], [t(8, 9, 10)], [t(2, 3, 4)])
+    assert chunk.decode is None and chunk.banded

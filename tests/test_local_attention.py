@@ -142,7 +142,7 @@ def _windowed_ring_rank(rank, world_size, algo, window):
         (got.double() - torch.cat(want)).abs().max().item(),
         (got_lse.double() - torch.cat(want_lse)).abs().max().item(),
     )
-    return err, ring.skipped_steps, ring.transfers
+    return err, ring.skipped_steps, ring.transfers, ring.sent_keys
 
 
 @pytest.mark.parametrize(
@@ -152,14 +152,17 @@ def test_ring_skips_steps_outside_every_window(algo, window):
     """4 gloo ranks: the windowed ring equals the dense masked softmax, and ring steps
     between ranks whose keys no query sees are skipped (no attention call) with no
     transfer: with a window of 5 each zigzag chunk sees only the chunk before it (held by
-    a neighbour at ring distance 1 or 3), so distance 2 never runs; chunks of 8 do not
-    align with the zigzag chunks, so some spill over to a neighbour too."""
+    a neighbour at ring distance 1 or 3), so distance 2 never runs, and pass-KV sends just
+    the keys the receiver's windows reach; chunks of 8 do not align with the zigzag chunks,
+    so some spill over to a neighbour too."""
     from ringserve.parallel.local_world import run_local_world
 
     results = run_local_world(_windowed_ring_rank, 4, algo, window, timeout_s=60)
-    assert all(err < 1e-5 for err, _, _ in results), results
-    skipped = [s for _, s, _ in results]
-    transfers = [t for _, _, t in results]
+    assert all(err < 1e-5 for err, *_ in results), results
+    skipped = [s for _, s, _, _ in results]
+    transfers = [t for _, _, t, _ in results]
+    if algo == "pass_kv":  # each transfer: at most the window's reach of 2 chunks of 2 sequences
+        assert all(0 < k <= 2 * 2 * (window.sliding - 1) * t for _, _, t, k in results), results
     assert sum(skipped) >= 4, skipped  # every rank skips a step (distance 2 at least)
     assert max(transfers) <= 2, transfers  # never the 3 transfers of a full ring
 

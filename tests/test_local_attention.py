@@ -355,3 +355,30 @@ def test_mistral_under_cp2_releases_blocks_and_generates_as_transformers(tiny_mo
     ref = hf_model(folder)
     for prompt, got in zip(prompts, tokens):
         assert got == hf_greedy(ref, prompt, 24)
+
+
+def test_windows_come_from_the_transformers_config():
+    """layer_types where the config has it (Gemma 3, gpt-oss, Llama 4 text), sliding_window
+    on every layer otherwise (Mistral; null: full); an unknown layer type is refused by name."""
+    import transformers as tf
+
+    from ringserve.config import attention_windows_from_hf
+    from ringserve.errors import ModelLoadError
+
+    full, sliding = AttentionWindow(), AttentionWindow(sliding=128)
+    oss = tf.GptOssConfig(num_hidden_layers=4, sliding_window=128)
+    assert attention_windows_from_hf(oss, 4) == (sliding, full, sliding, full)
+    llama4 = tf.Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=16)
+    assert attention_windows_from_hf(llama4, 4) == (AttentionWindow(chunk=16),) * 3 + (full,)
+    mistral = tf.MistralConfig(num_hidden_layers=2, sliding_window=8)
+    assert attention_windows_from_hf(mistral, 2) == (AttentionWindow(sliding=8),) * 2
+    assert (
+        attention_windows_from_hf(tf.MistralConfig(num_hidden_layers=2, sliding_window=None), 2)
+        == (full,) * 2
+    )
+    oss.layer_types = ["sliding_attention", "linear_attention", "full_attention", "full_attention"]
+    with pytest.raises(ModelLoadError, match="linear_attention"):
+        attention_windows_from_hf(oss, 4)
+    window = AttentionWindow(sliding=5, chunk=8)
+    assert window.first_visible(20) == 16 and window.first_visible(13) == 9 and window.lookback() == 4
+    assert window.first_visible(torch.tensor([0, 20])).tolist() == [0, 16]

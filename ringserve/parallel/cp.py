@@ -12,6 +12,9 @@ it lies, by one of two rings:
 - pass-Q: queries (with positions and sequences) travel; each rank attends them to its own
   KV; the partial outputs and LSEs go home in one all-to-all and are merged there.
 
+Layers with a window (sliding, chunked) run only the ring steps whose pair of ranks shares
+a visible key, each block sent straight from its owner (see RingAttention._local_pass_kv).
+
 All ranks derive the same RingStep from the step's CPStep (every rank's new tokens, and
 how many keys each rank holds of each sequence), so no sizes are exchanged, and every
 message of a ring is padded to the largest rank's.

@@ -386,3 +386,30 @@ def test_windows_come_from_the_transformers_config():
     window = AttentionWindow(sliding=5, chunk=8)
     assert window.first_visible(20) == 16 and window.first_visible(13) == 9 and window.lookback() == 4
     assert window.first_visible(torch.tensor([0, 20])).tolist() == [0, 16]
+
+
+@pytest.mark.parametrize("window", [AttentionWindow(sliding=5), AttentionWindow(chunk=8)], ids=str)
+def test_windowed_ring_plans_equal_the_masked_math(window):
+    """Every (query rank, key rank) batch of a 4-rank windowed ring step, planned as the GPU
+    runs it (shifted blocks, masked band tiles, unseen rows), against the count-masked math
+    path; full and trimmed (what a pass-KV step receives) key sets."""
+    from ringserve.attention import _math_varlen, _planned
+
+    from helpers import ring_step
+
+    step, _, _ = ring_step([0, 22], [200, 52], 4, 4, window.lookback())
+    g = torch.Generator().manual_seed(2)
+    planned_kinds = set()
+    for q_rank in range(4):
+        for k_rank in range(4):
+            for trimmed in (False, True):
+                batch = step.varlen(q_rank, k_rank, "cpu", window, trimmed=trimmed)
+                q = torch.randn(batch.q_bounds[-1], 4, 8, generator=g)
+                k, v = (torch.randn(batch.k_bounds[-1], 2, 8, generator=g) for _ in range(2))
+                plan = batch.plan()
+                planned_kinds |= {kind for kind in ("groups", "banded", "unseen") if getattr(plan, kind)}
+                out, lse = _planned(q, k, v, plan, batch, 8**-0.5)
+                ref_out, ref_lse = _math_varlen(q, k, v, batch, 8**-0.5)
+                torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    assert planned_kinds == {"groups", "banded", "unseen"} or window.chunk, planned_kinds

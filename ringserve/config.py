@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -15,7 +15,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+# The MLP activations the model implements (HF's ACT2FN names), applied to gate_proj's output.
+MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass
@@ -33,8 +37,18 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    attention_bias: bool = False  # biases on q/k/v
+    o_proj_bias: bool = False  # a bias on o_proj (Llama-style attention_bias: all four)
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k before RoPE
+    hidden_act: str = "silu"  # of the gated MLP: act(gate_proj(x)) * up_proj(x)
+    # Gemma 3 (text): see `_gemma3_fields`.
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this), not 1/sqrt(head_dim)
+    norm_unit_offset: bool = False  # RMSNorm weights w applied as (1 + w), in float32
+    sandwich_norms: bool = False  # a norm before and after attention and after the MLP too
+    embedding_scale: float | None = None  # embeddings times this (sqrt(hidden)) in the model dtype
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    layer_types: tuple[str, ...] = ()  # per layer: "full_attention" or "sliding_attention"
+    rope_per_layer_type: bool = False  # hf.rope_parameters holds one RoPE per layer type
     # Mixture of experts (0 experts: a dense model).
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -69,7 +83,7 @@ class ModelConfig:
         from transformers import AutoConfig  # slow import: only when a model is loaded
 
         hf = AutoConfig.from_pretrained(folder)
-        return cls.from_hf(hf, arch)
+        return cls.from_hf(hf.get_text_config(), arch)
 
     @classmethod
     def from_hf(cls, hf, arch: str) -> ModelConfig:
@@ -91,7 +105,7 @@ class ModelConfig:
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        return cls(
+        config = cls(
             architecture=arch,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -104,7 +118,9 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)),
+            o_proj_bias=bool(getattr(hf, "attention_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            hidden_act=getattr(hf, "hidden_act", "silu"),
             num_experts=num_experts,
             num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) if num_experts else 0,
             moe_intermediate_size=(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
@@ -119,6 +135,21 @@ class ModelConfig:
             dtype=dtype,
             hf_config=hf,
         )
+        if arch == "Qwen2ForCausalLM":
+            config = replace(config, **_qwen2_fields(hf))
+        if arch == "Gemma3ForCausalLM":
+            config = replace(config, **_gemma3_fields(hf))
+        _refuse_unsupported(config, hf)
+        return config
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q.k before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def rope_key(self, layer: int) -> str:
+        """Which RoPE table layer `layer` uses: its layer type's (Gemma 3) or the one "default"."""
+        return self.layer_types[layer] if self.rope_per_layer_type else "default"
 
     @property
     def is_moe(self) -> bool:
@@ -129,6 +160,49 @@ class ModelConfig:
         return (
             self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         )
+
+
+def _qwen2_fields(hf) -> dict:
+    """Qwen2 / Qwen2.5: biases on q, k and v but none on o_proj (transformers hard-codes both)."""
+    return dict(attention_bias=True, o_proj_bias=False)
+
+
+def _gemma3_fields(hf) -> dict:
+    """Gemma 3 (text), as transformers' modeling_gemma3.py computes it."""
+    return dict(
+        qk_norm=True,
+        hidden_act=hf.hidden_activation,
+        query_pre_attn_scalar=hf.query_pre_attn_scalar,
+        norm_unit_offset=True,
+        sandwich_norms=True,
+        embedding_scale=hf.hidden_size**0.5,
+        final_logit_softcapping=hf.final_logit_softcapping,
+        layer_types=tuple(hf.layer_types),
+        rope_per_layer_type=True,
+    )
+
+
+def _refuse_unsupported(config: ModelConfig, hf) -> None:
+    """Fields that change the math and that the model does not implement: refused by name,
+    never run silently wrong."""
+    arch = config.architecture
+    supported = ("silu",) if config.is_moe else MLP_ACTIVATIONS  # experts run silu only
+    if config.hidden_act not in supported:
+        field_name = "hidden_activation" if hasattr(hf, "hidden_activation") else "hidden_act"
+        raise ModelLoadError(
+            f"{arch} with {field_name}={config.hidden_act!r} is not supported "
+            f"(ringserve implements {', '.join(supported)} here)"
+        )
+    unimplemented = {
+        "mlp_bias": "biases on the MLP projections",
+        "attn_logit_softcapping": "capped attention scores",
+        "use_bidirectional_attention": "bidirectional attention",
+    }
+    for name, what in unimplemented.items():
+        if getattr(hf, name, None):
+            raise ModelLoadError(
+                f"{arch} with {name}={getattr(hf, name)!r} is not supported (ringserve has no {what})"
+            )
 
 
 @dataclass(frozen=True)

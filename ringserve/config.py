@@ -12,6 +12,7 @@ from ringserve.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
+    "MistralForCausalLM",
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
@@ -20,6 +21,78 @@ SUPPORTED_ARCHITECTURES = (
 )
 # The MLP activations the model implements (HF's ACT2FN names), applied to gate_proj's output.
 MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+@dataclass(frozen=True)
+class AttentionWindow:
+    """Which keys a query sees in one layer, with transformers' masks (masking_utils):
+    a query at position p sees keys k <= p that also satisfy
+
+    - sliding W: p - W < k (itself and the W - 1 keys before it);
+    - chunk C: k // C == p // C (only its own chunk of C positions).
+
+    Neither: full causal attention. Both may be set (a key must pass both).
+    """
+
+    sliding: int | None = None
+    chunk: int | None = None
+
+    def __post_init__(self):
+        for name in ("sliding", "chunk"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"AttentionWindow.{name} must be a positive integer or None, got {value!r}")
+
+    @property
+    def is_full(self) -> bool:
+        return self.sliding is None and self.chunk is None
+
+    def first_visible(self, position):
+        """The first key position a query at `position` (an int or an integer tensor) sees;
+        it never decreases as the position grows."""
+        first = position - position  # 0, as an int or a tensor like position
+        if self.sliding is not None:
+            first = _maximum(first, position - self.sliding + 1)
+        if self.chunk is not None:
+            first = _maximum(first, position // self.chunk * self.chunk)
+        return first
+
+    def lookback(self) -> int | None:
+        """The most keys before its own position a query may see (None: unbounded)."""
+        spans = [w - 1 for w in (self.sliding, self.chunk) if w is not None]
+        return min(spans) if spans else None
+
+
+FULL_ATTENTION = AttentionWindow()
+
+
+def _maximum(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
+    return max(a, b)
+
+
+def attention_windows_from_hf(hf, num_layers: int) -> tuple[AttentionWindow, ...]:
+    """Each layer's window from a transformers config: `layer_types` where the config has
+    it (full_attention, sliding_attention with `sliding_window`, chunked_attention with
+    `attention_chunk_size`), else `sliding_window` on every layer (Mistral, Mixtral)."""
+    sliding = getattr(hf, "sliding_window", None)
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is None:
+        return (AttentionWindow(sliding=sliding),) * num_layers
+    if len(layer_types) != num_layers:
+        raise ModelLoadError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    by_type = {
+        "full_attention": FULL_ATTENTION,
+        "sliding_attention": AttentionWindow(sliding=sliding),
+        "chunked_attention": AttentionWindow(chunk=getattr(hf, "attention_chunk_size", None)),
+    }
+    unknown = sorted(set(layer_types) - set(by_type))
+    if unknown:
+        raise ModelLoadError(
+            f"layer_types {unknown} are not supported (ringserve knows {', '.join(by_type)})"
+        )
+    return tuple(by_type[t] for t in layer_types)
 
 
 @dataclass
@@ -47,8 +120,9 @@ class ModelConfig:
     sandwich_norms: bool = False  # a norm before and after attention and after the MLP too
     embedding_scale: float | None = None  # embeddings times this (sqrt(hidden)) in the model dtype
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
-    layer_types: tuple[str, ...] = ()  # per layer: "full_attention" or "sliding_attention"
-    rope_per_layer_type: bool = False  # hf.rope_parameters holds one RoPE per layer type
+    # Per layer, its key in hf.rope_parameters when that holds a RoPE per layer type (Gemma 3's
+    # "sliding_attention" and "full_attention"); (): one RoPE for every layer.
+    rope_layer_types: tuple[str, ...] = ()
     # Mixture of experts (0 experts: a dense model).
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -59,6 +133,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     dtype: torch.dtype = torch.float32
+    # Per layer: which keys a query sees (sliding windows, attention chunks); () is all full.
+    attention_windows: tuple[AttentionWindow, ...] = ()
     hf_config: object = field(default=None, repr=False)  # the transformers config, for RoPE
 
     @classmethod
@@ -87,12 +163,6 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf, arch: str) -> ModelConfig:
-        if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
-            if hf.sliding_window < hf.max_position_embeddings:
-                raise ModelLoadError(
-                    f"{arch} with sliding_window={hf.sliding_window} is not supported "
-                    "(ringserve attends over the full context)"
-                )
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         eos = hf.eos_token_id
@@ -133,6 +203,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=getattr(hf, "bos_token_id", None),
             dtype=dtype,
+            attention_windows=attention_windows_from_hf(hf, hf.num_hidden_layers),
             hf_config=hf,
         )
         if arch == "Qwen2ForCausalLM":
@@ -149,7 +220,16 @@ class ModelConfig:
 
     def rope_key(self, layer: int) -> str:
         """Which RoPE table layer `layer` uses: its layer type's (Gemma 3) or the one "default"."""
-        return self.layer_types[layer] if self.rope_per_layer_type else "default"
+        return self.rope_layer_types[layer] if self.rope_layer_types else "default"
+
+    def attention_window(self, layer: int) -> AttentionWindow:
+        """Which keys layer `layer`'s queries see."""
+        return self.attention_windows[layer] if self.attention_windows else FULL_ATTENTION
+
+    @property
+    def has_local_attention(self) -> bool:
+        """Whether any layer attends through a sliding window or attention chunks."""
+        return any(not w.is_full for w in self.attention_windows)
 
     @property
     def is_moe(self) -> bool:
@@ -177,8 +257,7 @@ def _gemma3_fields(hf) -> dict:
         sandwich_norms=True,
         embedding_scale=hf.hidden_size**0.5,
         final_logit_softcapping=hf.final_logit_softcapping,
-        layer_types=tuple(hf.layer_types),
-        rope_per_layer_type=True,
+        rope_layer_types=tuple(hf.layer_types),
     )
 
 

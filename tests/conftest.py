@@ -96,10 +96,15 @@ def make_hf_config(arch: str):
 
 
 def save_tiny_model(arch: str, folder: str, seed: int = 0, **save_kwargs) -> str:
+    return save_random_model(make_hf_config(arch), folder, seed, **save_kwargs)
+
+
+def save_random_model(hf_config, folder: str, seed: int = 0, **save_kwargs) -> str:
+    """A transformers model of this config with random weights, saved to `folder`."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_hf_config(arch), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     # Larger weights than the default init make logits spread out, so greedy choices are
     # decided by clear margins and any error in the engine shows.
     with torch.no_grad():

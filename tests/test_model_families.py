@@ -8,9 +8,10 @@ import torch
 
 from ringserve import LLM, ModelLoadError
 from ringserve.config import AttentionWindow, ModelConfig
+from ringserve.engine.engine import LLMEngine
 from ringserve.model import RotaryEmbedding
 
-from conftest import TINY, hf_model
+from conftest import TINY, hf_model, save_random_model
 from helpers import engine_logits, run_requests, scored
 
 # config.json of google/gemma-3-1b-it as transformers 4.50 saved it (sizes shrunk): no
@@ -100,14 +101,7 @@ def test_attention_bias_on_q_k_v_and_o_at_tp1_and_tp2(tmp_path):
     the sum over ranks. Qwen2 (q/k/v biases, none on o_proj) is in test_models."""
     import transformers as tf
 
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(**TINY, attention_bias=True)).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 or name.endswith(".bias"):
-                p.normal_(0, 0.08)
-    folder = str(tmp_path / "llama_bias")
-    model.save_pretrained(folder)
+    folder = save_random_model(tf.LlamaConfig(**TINY, attention_bias=True), str(tmp_path / "llama_bias"))
     tokens = list(range(3, 30))
     with torch.no_grad():
         ref = hf_model(folder)(torch.tensor([tokens])).logits[0]
@@ -115,6 +109,22 @@ def test_attention_bias_on_q_k_v_and_o_at_tp1_and_tp2(tmp_path):
         with LLM(folder, device="cpu", dtype="float32", tp=tp, timeout_s=60) as llm:
             ours = engine_logits(llm.engine, tokens, prefill=20)
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4, msg=f"tp={tp}")
+
+
+def test_qwen2_sliding_window_above_max_window_layers(tmp_path):
+    """Qwen2 with use_sliding_window: layers from max_window_layers on slide (window 8),
+    the ones below attend over everything."""
+    import transformers as tf
+
+    hf_config = tf.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    folder = save_random_model(hf_config, str(tmp_path / "qwen2_sliding"))
+    config = ModelConfig.from_pretrained(folder)
+    assert list(config.attention_windows) == [AttentionWindow(), AttentionWindow(sliding=8)]
+    tokens = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        ref = hf_model(folder)(torch.tensor([tokens])).logits[0]
+    ours = engine_logits(LLMEngine(folder, device="cpu", dtype="float32"), tokens, prefill=21)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
 def hf_logprobs(model, tokens: list[int]) -> torch.Tensor:

@@ -282,6 +282,20 @@ def _refuse_unsupported(config: ModelConfig, hf) -> None:
             raise ModelLoadError(
                 f"{arch} with {name}={getattr(hf, name)!r} is not supported (ringserve has no {what})"
             )
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    per_type = [params[t] for t in sorted(set(config.rope_layer_types))] or [params]
+    for rope in per_type:
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type in ("dynamic", "longrope"):
+            raise ModelLoadError(
+                f"{arch} with rope_type={rope_type!r} is not supported "
+                "(its frequencies change with the sequence length; ringserve's are fixed)"
+            )
+        partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ModelLoadError(
+                f"{arch} with partial_rotary_factor={partial!r} is not supported (ringserve rotates whole heads)"
+            )
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,14 @@ def test_published_gemma3_config_reads_layer_types_and_a_rope_base_per_type(tmp_
         (dict(GEMMA3_LEGACY, use_bidirectional_attention=True), "use_bidirectional_attention"),
         (dict(GEMMA3_LEGACY, hidden_activation="relu"), "hidden_activation"),
         (dict(TINY, architectures=["LlamaForCausalLM"], model_type="llama", mlp_bias=True), "mlp_bias"),
+        (
+            dict(GEMMA3_LEGACY, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+            "rope_type",
+        ),
+        (
+            dict(TINY, architectures=["Qwen2ForCausalLM"], model_type="qwen2", partial_rotary_factor=0.5),
+            "partial_rotary_factor",
+        ),
         (dict(TINY, architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="gelu"), "hidden_act"),
         # MoE experts run silu only, even though a dense MLP could run gelu_pytorch_tanh
         (

@@ -70,6 +70,36 @@ def test_published_gemma3_config_reads_layer_types_and_a_rope_base_per_type(tmp_
     assert local[1] == 10000 ** (-2 / 32) and full[1] == 1000000 ** (-2 / 32)
 
 
+# config.json of Qwen/Qwen2.5-0.5B-Instruct: a sliding window configured but switched off.
+QWEN25 = dict(
+    architectures=["Qwen2ForCausalLM"],
+    model_type="qwen2",
+    hidden_act="silu",
+    hidden_size=896,
+    intermediate_size=4864,
+    max_position_embeddings=32768,
+    max_window_layers=21,
+    num_attention_heads=14,
+    num_hidden_layers=24,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-06,
+    rope_theta=1000000.0,
+    sliding_window=32768,
+    tie_word_embeddings=True,
+    torch_dtype="bfloat16",
+    use_sliding_window=False,
+    vocab_size=151936,
+)
+
+
+def test_published_qwen25_config_has_qkv_biases_and_full_attention(tmp_path):
+    config = ModelConfig.from_pretrained(write_config(tmp_path / "qwen25", QWEN25))
+    assert config.attention_bias and not config.o_proj_bias
+    assert not config.has_local_attention  # use_sliding_window is false
+    assert config.tie_word_embeddings and config.head_dim == 64
+    assert RotaryEmbedding(config).inv_freq[1] == 1000000.0 ** (-2 / 64)
+
+
 @pytest.mark.parametrize(
     "raw,field",
     [

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
+from ringserve.config_dense_families import FAMILY_FIELDS
 from ringserve.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = (
@@ -114,7 +115,7 @@ class ModelConfig:
     o_proj_bias: bool = False  # a bias on o_proj (Llama-style attention_bias: all four)
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k before RoPE
     hidden_act: str = "silu"  # of the gated MLP: act(gate_proj(x)) * up_proj(x)
-    # Gemma 3 (text): see `_gemma3_fields`.
+    # Gemma 3 (text): see config_dense_families.gemma3_fields.
     query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this), not 1/sqrt(head_dim)
     norm_unit_offset: bool = False  # RMSNorm weights w applied as (1 + w), in float32
     sandwich_norms: bool = False  # a norm before and after attention and after the MLP too
@@ -163,6 +164,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf, arch: str) -> ModelConfig:
+        family = FAMILY_FIELDS[arch](hf) if arch in FAMILY_FIELDS else {}
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         eos = hf.eos_token_id
@@ -175,7 +177,7 @@ class ModelConfig:
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        config = cls(
+        fields = dict(
             architecture=arch,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -206,10 +208,8 @@ class ModelConfig:
             attention_windows=attention_windows_from_hf(hf, hf.num_hidden_layers),
             hf_config=hf,
         )
-        if arch == "Qwen2ForCausalLM":
-            config = replace(config, **_qwen2_fields(hf))
-        if arch == "Gemma3ForCausalLM":
-            config = replace(config, **_gemma3_fields(hf))
+        fields.update(family)
+        config = cls(**fields)
         _refuse_unsupported(config, hf)
         return config
 
@@ -247,25 +247,6 @@ class ModelConfig:
         return (
             self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         )
-
-
-def _qwen2_fields(hf) -> dict:
-    """Qwen2 / Qwen2.5: biases on q, k and v but none on o_proj (transformers hard-codes both)."""
-    return dict(attention_bias=True, o_proj_bias=False)
-
-
-def _gemma3_fields(hf) -> dict:
-    """Gemma 3 (text), as transformers' modeling_gemma3.py computes it."""
-    return dict(
-        qk_norm=True,
-        hidden_act=hf.hidden_activation,
-        query_pre_attn_scalar=hf.query_pre_attn_scalar,
-        norm_unit_offset=True,
-        sandwich_norms=True,
-        embedding_scale=hf.hidden_size**0.5,
-        final_logit_softcapping=hf.final_logit_softcapping,
-        rope_layer_types=tuple(hf.layer_types),
-    )
 
 
 def _refuse_unsupported(config: ModelConfig, hf) -> None:

@@ -140,6 +140,15 @@ class RotaryEmbedding(nn.Module):
         return cos[:, None, :], sin[:, None, :]  # [T, 1, D], broadcast over heads
 
 
+class RowParallelLinear(nn.Linear):
+    """A linear layer whose input columns are split over tensor-parallel ranks: the partial
+    products are summed, then the bias (whole on every rank) is added once."""
+
+    def forward(self, x, ctx: ForwardContext):
+        out = ctx.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, shard: TPShard):
         super().__init__()
@@ -151,8 +160,7 @@ class Attention(nn.Module):
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # [(NH + 2 NKV) * D, H]: this rank's q heads, then its k heads, then its v heads.
         self.qkv_proj = MergedLinear(hidden, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}, bias)
-        # A bias on o_proj is added once, after the sum over tensor-parallel ranks (forward).
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = make_norm(config, self.head_dim)
             self.k_norm = make_norm(config, self.head_dim)
@@ -169,9 +177,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary_qk(q, k, *rope)
         out = ctx.attend(self.layer, q, k, v)
-        out = out.reshape(tokens, self.num_heads * self.head_dim)
-        out = ctx.all_reduce(F.linear(out, self.o_proj.weight))
-        return out if self.o_proj.bias is None else out + self.o_proj.bias
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), ctx)
 
 
 # act(gate) * up of a fused [T, 2I] gate/up output, by the config's hidden_act.
@@ -311,13 +317,13 @@ class SandwichDecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
         self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
 
-    def forward(self, x, residual, rope, ctx: ForwardContext):
+    def forward(self, x, residual, pos, ctx: ForwardContext):
         """As DecoderLayer.forward; x is the previous layer's normalised MLP output."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        attn = self.post_attention_layernorm(self.self_attn(h, rope, ctx))
+        attn = self.post_attention_layernorm(self.self_attn(h, pos, ctx))
         h, residual = self.pre_feedforward_layernorm(attn, residual)
         return self.post_feedforward_layernorm(self.mlp(h, ctx)), residual
 
@@ -359,10 +365,10 @@ class Transformer(nn.Module):
         if self.config.embedding_scale is not None:
             # Gemma: times sqrt(hidden) rounded to the model dtype first, as transformers does.
             x = x * float(torch.tensor(self.config.embedding_scale, dtype=x.dtype))
-        ropes = {key: emb(positions, x.dtype) for key, emb in self.model.rotary_emb.items()}
+        pos = {key: emb(positions, x.dtype) for key, emb in self.model.rotary_emb.items()}
         residual = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, ropes[self.config.rope_key(i)], ctx)
+            x, residual = layer(x, residual, pos[self.config.rope_key(i)], ctx)
         return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -235,11 +235,30 @@ def _held_blocks(engine) -> int:
     return sum(1 for count in manager.ref_count if count > 0)
 
 
+def _generate_counting_blocks(engine, prompts, params):
+    """Run the prompts together: (each one's tokens, the most blocks held while all ran)."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens = {i: [] for i in ids}
+    most = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        if len(engine.scheduler.running) == len(prompts):
+            most = max(most, _held_blocks(engine))
+    assert _held_blocks(engine) == 0
+    return [tokens[i] for i in ids], most
+
+
+# With a window of 8 (lookback 7) and blocks of 4, a sequence holds the blocks of its next
+# token's lookback (3) and the one being filled; at most 2 more while a step's tokens land.
+WINDOW_BLOCKS = -(-(7 + 4) // 4) + 1
+
+
 def test_windowed_sequence_holds_a_bounded_number_of_blocks(tiny_model_dir):
-    """Every layer of the tiny Mistral has a window of 8: with blocks of 4, a sequence of
-    90 tokens holds at most the blocks its next token's window reaches (3, plus the one
-    being filled), counted after every step, while its greedy tokens still equal
-    transformers'; two sequences run at once, so released blocks are reused meanwhile."""
+    """Every layer of the tiny Mistral has a window of 8: with blocks of 4, two sequences
+    of 90 and 70 tokens (23 + 18 blocks without releasing) hold at most their windows'
+    blocks, counted after every step, while their greedy tokens still equal
+    transformers'; they run at once, so released blocks are reused meanwhile."""
     from ringserve import LLM, SamplingParams
 
     from conftest import hf_model
@@ -249,21 +268,11 @@ def test_windowed_sequence_holds_a_bounded_number_of_blocks(tiny_model_dir):
     prompts = [MISTRAL_TOKENS[:30], MISTRAL_TOKENS[30:40]]
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     with LLM(folder, device="cpu", dtype="float32", block_size=4, enable_prefix_caching=False) as llm:
-        engine = llm.engine
-        ids = [engine.add_request(p, params) for p in prompts]
-        tokens = {i: [] for i in ids}
-        most = 0
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-            if len(engine.scheduler.running) == 2:
-                most = max(most, _held_blocks(engine))
-        assert _held_blocks(engine) == 0
-    # two sequences of 90 / 70 tokens: 23 + 18 blocks without releasing
-    assert 0 < most <= 2 * (-(-(7 + 4) // 4) + 1), most
+        tokens, most = _generate_counting_blocks(llm.engine, prompts, params)
+    assert 0 < most <= 2 * WINDOW_BLOCKS, most
     ref = hf_model(folder)
-    for prompt, i in zip(prompts, ids):
-        assert tokens[i] == hf_greedy(ref, prompt, 60)
+    for prompt, got in zip(prompts, tokens):
+        assert got == hf_greedy(ref, prompt, 60)
 
 
 def test_windowed_chunked_prefill_and_prefix_hit_match_transformers(tiny_model_dir):
@@ -326,3 +335,23 @@ def test_windowed_decode_under_cp_is_one_fused_call_over_each_windows_keys():
     assert layout.rows == [0, 1] and layout.k_starts == [6, 10] and layout.k_counts == [4, 4]
     chunk = plan_seen([0, 3], [0, 10], [t(8, 9, 10)], [t(2, 3, 4)])
     assert chunk.decode is None and chunk.banded
+
+
+def test_mistral_under_cp2_releases_blocks_and_generates_as_transformers(tiny_model_dir):
+    """cp=2 (auto ring), blocks of 4: two sequences generate together while each releases
+    the blocks behind its window on both ranks (and the other takes them): the blocks held
+    stay bounded and the greedy tokens equal transformers'."""
+    from ringserve import LLM, SamplingParams
+
+    from conftest import hf_model
+    from helpers import hf_greedy
+
+    folder = tiny_model_dir("mistral")
+    prompts = [MISTRAL_TOKENS[:30], MISTRAL_TOKENS[30:41]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, cp=2, timeout_s=60) as llm:
+        tokens, most = _generate_counting_blocks(llm.engine, prompts, params)
+    assert 0 < most <= 2 * WINDOW_BLOCKS, most
+    ref = hf_model(folder)
+    for prompt, got in zip(prompts, tokens):
+        assert got == hf_greedy(ref, prompt, 24)

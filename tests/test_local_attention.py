@@ -130,7 +130,8 @@ def _windowed_ring_rank(rank, world_size, algo, window):
     k = torch.cat([x[p[rank]] for x, p in zip(ks, key_positions)])
     v = torch.cat([x[p[rank]] for x, p in zip(vs, key_positions)])
     ring = RingAttention(dist.group.WORLD, step, algo, dim**-0.5, "cpu")
-    got, got_lse = ring(q, k, v, window)
+    rows = ring.local_key_rows(window)  # the keys some query sees, as the engine gathers them
+    got, got_lse = ring(q, k[rows], v[rows], window)
     want, want_lse = [], []
     for x, kk, vv, p, total in zip(qs, ks, vs, q_positions, totals):
         out, lse = dense_reference(
@@ -142,7 +143,7 @@ def _windowed_ring_rank(rank, world_size, algo, window):
         (got.double() - torch.cat(want)).abs().max().item(),
         (got_lse.double() - torch.cat(want_lse)).abs().max().item(),
     )
-    return err, ring.skipped_steps, ring.transfers, ring.sent_keys
+    return err, ring.skipped_steps, ring.transfers, ring.sent_keys, len(rows)
 
 
 @pytest.mark.parametrize(
@@ -159,10 +160,13 @@ def test_ring_skips_steps_outside_every_window(algo, window):
 
     results = run_local_world(_windowed_ring_rank, 4, algo, window, timeout_s=60)
     assert all(err < 1e-5 for err, *_ in results), results
-    skipped = [s for _, s, _, _ in results]
-    transfers = [t for _, _, t, _ in results]
+    skipped = [s for _, s, *_ in results]
+    transfers = [t for _, _, t, *_ in results]
+    # Keys gathered: every key of the fresh prompt, and of the other only those from the
+    # first one its new tokens (positions 22..51) see on.
+    assert sum(r[-1] for r in results) == 200 + 52 - window.first_visible(22), results
     if algo == "pass_kv":  # each transfer: at most the window's reach of 2 chunks of 2 sequences
-        assert all(0 < k <= 2 * 2 * (window.sliding - 1) * t for _, _, t, k in results), results
+        assert all(0 < k <= 2 * 2 * (window.sliding - 1) * t for _, _, t, k, _ in results), results
     assert sum(skipped) >= 4, skipped  # every rank skips a step (distance 2 at least)
     assert max(transfers) <= 2, transfers  # never the 3 transfers of a full ring
 
@@ -355,3 +359,30 @@ def test_mistral_under_cp2_releases_blocks_and_generates_as_transformers(tiny_mo
     ref = hf_model(folder)
     for prompt, got in zip(prompts, tokens):
         assert got == hf_greedy(ref, prompt, 24)
+
+
+def test_windows_come_from_the_transformers_config():
+    """layer_types where the config has it (Gemma 3, gpt-oss, Llama 4 text), sliding_window
+    on every layer otherwise (Mistral; null: full); an unknown layer type is refused by name."""
+    import transformers as tf
+
+    from ringserve.config import attention_windows_from_hf
+    from ringserve.errors import ModelLoadError
+
+    full, sliding = AttentionWindow(), AttentionWindow(sliding=128)
+    oss = tf.GptOssConfig(num_hidden_layers=4, sliding_window=128)
+    assert attention_windows_from_hf(oss, 4) == (sliding, full, sliding, full)
+    llama4 = tf.Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=16)
+    assert attention_windows_from_hf(llama4, 4) == (AttentionWindow(chunk=16),) * 3 + (full,)
+    mistral = tf.MistralConfig(num_hidden_layers=2, sliding_window=8)
+    assert attention_windows_from_hf(mistral, 2) == (AttentionWindow(sliding=8),) * 2
+    assert (
+        attention_windows_from_hf(tf.MistralConfig(num_hidden_layers=2, sliding_window=None), 2)
+        == (full,) * 2
+    )
+    oss.layer_types = ["sliding_attention", "linear_attention", "full_attention", "full_attention"]
+    with pytest.raises(ModelLoadError, match="linear_attention"):
+        attention_windows_from_hf(oss, 4)
+    window = AttentionWindow(sliding=5, chunk=8)
+    assert window.first_visible(20) == 16 and window.first_visible(13) == 9 and window.lookback() == 4
+    assert window.first_visible(torch.tensor([0, 20])).tolist() == [0, 16]

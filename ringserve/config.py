@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ringserve.config_dense_families import FAMILY_FIELDS
 from ringserve.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = (
@@ -16,7 +17,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+# The MLP activations the model implements (HF's ACT2FN names), applied to gate_proj's output.
+MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -106,8 +111,19 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    attention_bias: bool = False  # biases on q/k/v
+    o_proj_bias: bool = False  # a bias on o_proj (Llama-style attention_bias: all four)
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k before RoPE
+    hidden_act: str = "silu"  # of the gated MLP: act(gate_proj(x)) * up_proj(x)
+    # Gemma 3 (text): see config_dense_families.gemma3_fields.
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this), not 1/sqrt(head_dim)
+    norm_unit_offset: bool = False  # RMSNorm weights w applied as (1 + w), in float32
+    sandwich_norms: bool = False  # a norm before and after attention and after the MLP too
+    embedding_scale: float | None = None  # embeddings times this (sqrt(hidden)) in the model dtype
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Per layer, its key in hf.rope_parameters when that holds a RoPE per layer type (Gemma 3's
+    # "sliding_attention" and "full_attention"); (): one RoPE for every layer.
+    rope_layer_types: tuple[str, ...] = ()
     # Mixture of experts (0 experts: a dense model).
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -144,10 +160,11 @@ class ModelConfig:
         from transformers import AutoConfig  # slow import: only when a model is loaded
 
         hf = AutoConfig.from_pretrained(folder)
-        return cls.from_hf(hf, arch)
+        return cls.from_hf(hf.get_text_config(), arch)
 
     @classmethod
     def from_hf(cls, hf, arch: str) -> ModelConfig:
+        family = FAMILY_FIELDS[arch](hf) if arch in FAMILY_FIELDS else {}
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         eos = hf.eos_token_id
@@ -160,7 +177,7 @@ class ModelConfig:
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -173,7 +190,9 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)),
+            o_proj_bias=bool(getattr(hf, "attention_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            hidden_act=getattr(hf, "hidden_act", "silu"),
             num_experts=num_experts,
             num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) if num_experts else 0,
             moe_intermediate_size=(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size)
@@ -189,6 +208,19 @@ class ModelConfig:
             attention_windows=attention_windows_from_hf(hf, hf.num_hidden_layers),
             hf_config=hf,
         )
+        fields.update(family)
+        config = cls(**fields)
+        _refuse_unsupported(config, hf)
+        return config
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q.k before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def rope_key(self, layer: int) -> str:
+        """Which RoPE table layer `layer` uses: its layer type's (Gemma 3) or the one "default"."""
+        return self.rope_layer_types[layer] if self.rope_layer_types else "default"
 
     def attention_window(self, layer: int) -> AttentionWindow:
         """Which keys layer `layer`'s queries see."""
@@ -221,6 +253,43 @@ class ModelConfig:
         return (
             self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         )
+
+
+def _refuse_unsupported(config: ModelConfig, hf) -> None:
+    """Fields that change the math and that the model does not implement: refused by name,
+    never run silently wrong."""
+    arch = config.architecture
+    supported = ("silu",) if config.is_moe else MLP_ACTIVATIONS  # experts run silu only
+    if config.hidden_act not in supported:
+        field_name = "hidden_activation" if hasattr(hf, "hidden_activation") else "hidden_act"
+        raise ModelLoadError(
+            f"{arch} with {field_name}={config.hidden_act!r} is not supported "
+            f"(ringserve implements {', '.join(supported)} here)"
+        )
+    unimplemented = {
+        "mlp_bias": "biases on the MLP projections",
+        "attn_logit_softcapping": "capped attention scores",
+        "use_bidirectional_attention": "bidirectional attention",
+    }
+    for name, what in unimplemented.items():
+        if getattr(hf, name, None):
+            raise ModelLoadError(
+                f"{arch} with {name}={getattr(hf, name)!r} is not supported (ringserve has no {what})"
+            )
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    per_type = [params[t] for t in sorted(set(config.rope_layer_types))] or [params]
+    for rope in per_type:
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type in ("dynamic", "longrope"):
+            raise ModelLoadError(
+                f"{arch} with rope_type={rope_type!r} is not supported "
+                "(its frequencies change with the sequence length; ringserve's are fixed)"
+            )
+        partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ModelLoadError(
+                f"{arch} with partial_rotary_factor={partial!r} is not supported (ringserve rotates whole heads)"
+            )
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,22 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up for gate_up [T, 2I] -> [T, I]: HF's
+    `gelu_pytorch_tanh` MLP (Gemma). Torch ops on every device (no fused kernel yet)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+def unit_offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm over the last dim of x: normalised in float32, times (1 + weight) in
+    float32, rounded to x's dtype once at the end (Llama's rounds before the weight).
+    Torch ops on every device (no fused kernel yet)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
 def store_kv(k, v, k_cache, v_cache, slots) -> None:
     """k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] for k, v [T, NKV, D] (each token's
     heads contiguous; v may be a view into the fused qkv output), caches [S, NKV, D]."""

@@ -1,4 +1,4 @@
-"""One decoder-only transformer for Llama, Mistral, Qwen3, Mixtral and Qwen3-MoE checkpoints.
+"""One decoder-only transformer for every architecture in config.SUPPORTED_ARCHITECTURES.
 
 Reads like single-device code and keeps Hugging Face parameter names, so checkpoint
 tensors load by name. Tokens are packed: a step's new tokens of every sequence form one
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringserve.config import ModelConfig, TPShard
-from ringserve.kernels import add_rms_norm, rms_norm, rotary_qk, silu_mul
+from ringserve.kernels import add_rms_norm, gelu_tanh_mul, rms_norm, rotary_qk, silu_mul, unit_offset_rms_norm
 
 
 class ForwardContext(Protocol):
@@ -54,6 +54,20 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class UnitOffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as w - 1 and applied as (1 + w), in float32."""
+
+    def forward(self, x, residual=None):
+        if residual is None:
+            return unit_offset_rms_norm(x, self.weight, self.eps)
+        total = residual + x  # rounded to x's dtype before the norm, as HF adds
+        return unit_offset_rms_norm(total, self.weight, self.eps), total
+
+
+def make_norm(config: ModelConfig, dim: int) -> RMSNorm:
+    return (UnitOffsetRMSNorm if config.norm_unit_offset else RMSNorm)(dim, config.rms_norm_eps)
+
+
 class MergedLinear(nn.Linear):
     """Projections of the same input stacked by output rows, run as one matmul.
 
@@ -82,17 +96,25 @@ class MergedLinear(nn.Linear):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for global positions; scaled variants (llama3, yarn, ...) via transformers."""
+    """cos/sin tables for global positions; scaled variants (llama3, yarn, ...) via transformers.
 
-    def __init__(self, config: ModelConfig):
+    key: "default", or the layer type whose RoPE this is when the config has one per layer
+    type (Gemma 3: rope_parameters["sliding_attention"] and ["full_attention"]).
+    """
+
+    def __init__(self, config: ModelConfig, key: str = "default"):
         super().__init__()
         self.config = config
+        self.key = key
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
     def _inv_freq(self):
         hf, head_dim = self.config.hf_config, self.config.head_dim
         # transformers 5 names it rope_parameters; 4.x, rope_scaling (plus rope_theta).
         params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+        layer_type = None if self.key == "default" else self.key
+        if layer_type is not None:
+            params = params[layer_type]
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type == "default":
             theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
@@ -102,7 +124,8 @@ class RotaryEmbedding(nn.Module):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         with torch.device("cpu"):  # also when the model is being built on the meta device
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+            init = ROPE_INIT_FUNCTIONS[rope_type]
+            inv_freq, self.attention_scaling = init(hf, torch.device("cpu"), layer_type=layer_type)
         return inv_freq
 
     def reset_buffers(self):
@@ -117,6 +140,15 @@ class RotaryEmbedding(nn.Module):
         return cos[:, None, :], sin[:, None, :]  # [T, 1, D], broadcast over heads
 
 
+class RowParallelLinear(nn.Linear):
+    """A linear layer whose input columns are split over tensor-parallel ranks: the partial
+    products are summed, then the bias (whole on every rank) is added once."""
+
+    def forward(self, x, ctx: ForwardContext):
+        out = ctx.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, shard: TPShard):
         super().__init__()
@@ -128,10 +160,10 @@ class Attention(nn.Module):
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # [(NH + 2 NKV) * D, H]: this rank's q heads, then its k heads, then its v heads.
         self.qkv_proj = MergedLinear(hidden, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}, bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = make_norm(config, self.head_dim)
+            self.k_norm = make_norm(config, self.head_dim)
         else:
             self.q_norm = self.k_norm = None
 
@@ -145,18 +177,23 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary_qk(q, k, *rope)
         out = ctx.attend(self.layer, q, k, v)
-        return ctx.all_reduce(self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)))
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), ctx)
+
+
+# act(gate) * up of a fused [T, 2I] gate/up output, by the config's hidden_act.
+_GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, hidden_act: str = "silu"):
         super().__init__()
         # [2 I, H]: this rank's gate rows, then its up rows.
         self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act_mul = _GATED_ACTIVATIONS[hidden_act]
 
     def forward(self, x, ctx: ForwardContext):
-        return ctx.all_reduce(self.down_proj(silu_mul(self.gate_up_proj.fused(x))))
+        return ctx.all_reduce(self.down_proj(self.act_mul(self.gate_up_proj.fused(x))))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -253,9 +290,9 @@ class DecoderLayer(nn.Module):
         if config.layer_is_sparse(layer):
             self.mlp = SparseMoeBlock(config, shard)
         else:
-            self.mlp = MLP(config.hidden_size, shard.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.mlp = MLP(config.hidden_size, shard.intermediate_size, config.hidden_act)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
 
     def forward(self, x, residual, rope, ctx: ForwardContext):
         """x [T, H]: the previous layer's MLP output, residual: the stream it adds to (None at
@@ -270,15 +307,39 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, ctx), residual
 
 
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma 2/3: besides the norms before attention and before the MLP, one on the output
+    of each, before it joins the residual stream (post_attention_layernorm normalises the
+    attention output here, not the MLP input as in Llama)."""
+
+    def __init__(self, config: ModelConfig, layer: int, shard: TPShard):
+        super().__init__(config, layer, shard)
+        self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
+        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
+
+    def forward(self, x, residual, pos, ctx: ForwardContext):
+        """As DecoderLayer.forward; x is the previous layer's normalised MLP output."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        attn = self.post_attention_layernorm(self.self_attn(h, pos, ctx))
+        h, residual = self.pre_feedforward_layernorm(attn, residual)
+        return self.post_feedforward_layernorm(self.mlp(h, ctx)), residual
+
+
 class Backbone(nn.Module):
     def __init__(self, config: ModelConfig, shard: TPShard):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
             shard.vocab_size, config.hidden_size, shard.vocab_start, config.vocab_size
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, i, shard) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config)
+        layer_class = SandwichDecoderLayer if config.sandwich_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer_class(config, i, shard) for i in range(config.num_hidden_layers))
+        self.norm = make_norm(config, config.hidden_size)
+        # One RoPE table per key that some layer uses (config.rope_key).
+        keys = sorted({config.rope_key(i) for i in range(config.num_hidden_layers)})
+        self.rotary_emb = nn.ModuleDict({key: RotaryEmbedding(config, key) for key in keys})
 
 
 class Transformer(nn.Module):
@@ -301,12 +362,17 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         """input_ids, positions [T] -> hidden states [T, H]."""
         x = self.model.embed_tokens(input_ids, ctx)
-        rope = self.model.rotary_emb(positions, x.dtype)
+        if self.config.embedding_scale is not None:
+            # Gemma: times sqrt(hidden) rounded to the model dtype first, as transformers does.
+            x = x * float(torch.tensor(self.config.embedding_scale, dtype=x.dtype))
+        pos = {key: emb(positions, x.dtype) for key, emb in self.model.rotary_emb.items()}
         residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, rope, ctx)
+        for i, layer in enumerate(self.model.layers):
+            x, residual = layer(x, residual, pos[self.config.rope_key(i)], ctx)
         return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V_local] float32: this rank's vocabulary rows (all of them on one rank)."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -17,7 +17,7 @@ TINY = dict(
     max_position_embeddings=512,
 )
 
-ARCHITECTURES = ["llama", "mistral", "qwen3", "mixtral", "qwen3_moe"]
+ARCHITECTURES = ["llama", "mistral", "qwen3", "mixtral", "qwen3_moe", "qwen2", "gemma3"]
 
 
 def make_hf_config(arch: str):
@@ -54,19 +54,41 @@ def make_hf_config(arch: str):
             mlp_only_layers=[0],
             norm_topk_prob=True,
         )
+    if arch == "qwen2":
+        return tf.Qwen2Config(**TINY, tie_word_embeddings=False)  # q/k/v biases (randomised below)
+    if arch == "gemma3":
+        # head_dim 32 and query_pre_attn_scalar 24 (not head_dim): the query scaling shows; a
+        # sliding then a global layer, each with its RoPE (linear scaling on the global one).
+        return tf.Gemma3TextConfig(
+            **TINY,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=12,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+            },
+            final_logit_softcapping=3.0,
+        )
     raise ValueError(arch)
 
 
 def save_tiny_model(arch: str, folder: str, seed: int = 0, **save_kwargs) -> str:
+    return save_random_model(make_hf_config(arch), folder, seed, **save_kwargs)
+
+
+def save_random_model(hf_config, folder: str, seed: int = 0, **save_kwargs) -> str:
+    """A transformers model of this config with random weights, saved to `folder`."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_hf_config(arch), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     # Larger weights than the default init make logits spread out, so greedy choices are
     # decided by clear margins and any error in the engine shows.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() >= 2:
+            if p.dim() >= 2 or name.endswith(".bias"):
                 p.normal_(0, 0.08)
             if "norm" in name:
                 p.uniform_(0.8, 1.2)

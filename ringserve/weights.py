@@ -124,7 +124,8 @@ def build_model(
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives each module its own storage: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb.reset_buffers()
+    for rotary in model.model.rotary_emb.values():
+        rotary.reset_buffers()
     return model.eval().requires_grad_(False)
 
 

@@ -15,6 +15,30 @@ from ringserve.parallel.cp import RingStep
 from ringserve.parallel.local_world import free_port
 from ringserve.sampling_params import SamplingParams
 
+VOCAB = 256  # the tiny models' vocabulary (tests/conftest.py)
+
+
+def scored(max_tokens: int) -> SamplingParams:
+    """Greedy, with the log-probabilities of the whole vocabulary at every generated token."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=VOCAB)
+
+
+def run_requests(engine, prompts, params) -> list[tuple[list[int], torch.Tensor]]:
+    """Every request to the end, stepping the engine: per prompt (its tokens, [tokens, V]
+    log-probabilities of the vocabulary at each generated position)."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens = {i: [] for i in ids}
+    rows = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            for lp in out.new_logprobs or []:
+                row = torch.full((VOCAB,), float("nan"))
+                for token, value in lp.top:
+                    row[token] = value
+                rows[out.request_id].append(row)
+    return [(tokens[i], torch.stack(rows[i]) if rows[i] else torch.empty(0, VOCAB)) for i in ids]
+
 
 def ring_step(starts: list[int], totals: list[int], block_size: int, cp: int, lookback: int | None = None):
     """A step of sequences whose first starts[i] tokens are cached and which compute up to

@@ -56,6 +56,9 @@ def reference(tiny_model_dir):
         ("qwen3", dict(cp=4, cp_algo="pass_kv")),
         ("qwen3", dict(cp=4, cp_algo="pass_q")),
         ("mixtral", dict(tp=2, cp=2)),
+        ("qwen2", dict(cp=2)),
+        ("gemma3", dict(cp=2, cp_algo="pass_kv")),
+        ("gemma3", dict(cp=2, cp_algo="pass_q")),
     ],
 )
 def test_cp_equals_single_rank(arch, layout, tiny_model_dir, reference):

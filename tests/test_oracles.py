@@ -13,34 +13,12 @@ from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.sequence import Sequence
 from ringserve.parallel.cp import RingAttention
 
-VOCAB = 256  # the tiny models' vocabulary (tests/conftest.py)
+from helpers import VOCAB, run_requests, scored
 
 
 def prompts_of_lengths(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def scored(max_tokens: int) -> SamplingParams:
-    """Greedy, with the log-probabilities of the whole vocabulary at every generated token."""
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=VOCAB)
-
-
-def run_requests(engine, prompts, params) -> list[tuple[list[int], torch.Tensor]]:
-    """Every request to the end, stepping the engine: per prompt (its tokens, [tokens, V]
-    log-probabilities of the vocabulary at each generated position)."""
-    ids = [engine.add_request(p, params) for p in prompts]
-    tokens = {i: [] for i in ids}
-    rows = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-            for lp in out.new_logprobs or []:
-                row = torch.full((VOCAB,), float("nan"))
-                for token, value in lp.top:
-                    row[token] = value
-                rows[out.request_id].append(row)
-    return [(tokens[i], torch.stack(rows[i]) if rows[i] else torch.empty(0, VOCAB)) for i in ids]
 
 
 def assert_same_logits(got, expected):

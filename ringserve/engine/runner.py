@@ -48,7 +48,7 @@ class ModelRunner:
         self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
         config = model.config
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         self.num_kv_heads = model.shard.num_kv_heads
         self.num_heads = model.shard.num_heads
         self.max_model_len = max_model_len

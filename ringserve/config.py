@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ringserve.config_moe_families import FAMILY_FIELDS
 from ringserve.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = (
@@ -15,7 +16,18 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Llama4ForCausalLM",
+    "GptOssForCausalLM",
 )
+
+
+@dataclass(frozen=True)
+class AttentionWindow:
+    """The keys a query at position p sees besides causality (transformers' masks): sliding W,
+    keys k with p - W < k <= p; chunk C, keys with k // C == p // C. Neither: all k <= p."""
+
+    sliding: int | None = None
+    chunk: int | None = None
 
 
 @dataclass
@@ -42,6 +54,27 @@ class ModelConfig:
     norm_topk_prob: bool = True
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
+    moe_layers: tuple[int, ...] | None = None  # Llama 4: the MoE layers, when listed
+    # How the router weighs the experts: "softmax" (softmax over all, top-k, optional
+    # renormalisation), "sigmoid_scaled_input" (Llama 4: top-k logits, sigmoid, the expert's
+    # input scaled by it), "topk_softmax" (gpt-oss: softmax over the top-k logits).
+    moe_router: str = "softmax"
+    # How expert weights are stored: "per_expert" (one tensor per expert and projection),
+    # "fused_concat" (Llama 4: gate_up_proj [E, H, 2I], gate then up) or "fused_interleaved"
+    # (gpt-oss: gate and up columns alternate).
+    experts_layout: str = "per_expert"
+    experts_bias: bool = False  # gpt-oss: biases on gate_up_proj and down_proj
+    swiglu: tuple[float, float] | None = None  # gpt-oss: clamped SwiGLU (alpha, limit)
+    shared_expert_intermediate_size: int = 0  # Llama 4: a dense expert every token runs
+    # Attention variants (Llama 4, gpt-oss)
+    o_proj_bias: bool = False
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax
+    attention_windows: tuple[AttentionWindow, ...] = ()  # per layer; () or missing: full
+    nope_layers: tuple[int, ...] = ()  # Llama 4: layers without RoPE
+    rope_interleaved: bool = False  # Llama 4: RoPE rotates pairs (2i, 2i + 1) of each head
+    qk_l2_norm: bool = False  # Llama 4: weightless RMS norm of q and k heads after RoPE
+    # Llama 4 NoPE layers: q scaled by 1 + attn_scale * log1p(floor((p + 1) / floor_scale))
+    attn_temperature: tuple[float, float] | None = None  # (floor_scale, attn_scale)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     dtype: torch.dtype = torch.float32
@@ -73,12 +106,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf, arch: str) -> ModelConfig:
-        if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
+        if (
+            arch not in FAMILY_FIELDS
+            and getattr(hf, "sliding_window", None)
+            and getattr(hf, "use_sliding_window", True)
+        ):
             if hf.sliding_window < hf.max_position_embeddings:
                 raise ModelLoadError(
                     f"{arch} with sliding_window={hf.sliding_window} is not supported "
                     "(ringserve attends over the full context)"
                 )
+        family = FAMILY_FIELDS[arch](hf) if arch in FAMILY_FIELDS else {}
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         eos = hf.eos_token_id
@@ -91,7 +129,7 @@ class ModelConfig:
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -119,6 +157,8 @@ class ModelConfig:
             dtype=dtype,
             hf_config=hf,
         )
+        fields.update(family)
+        return cls(**fields)
 
     @property
     def is_moe(self) -> bool:
@@ -126,9 +166,14 @@ class ModelConfig:
 
     def layer_is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` uses the MoE block (Qwen3-MoE keeps some dense)."""
-        return (
-            self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
-        )
+        if not self.is_moe:
+            return False
+        if self.moe_layers is not None:
+            return layer in self.moe_layers
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    def attention_window(self, layer: int) -> AttentionWindow:
+        return self.attention_windows[layer] if self.attention_windows else AttentionWindow()
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ TINY = dict(
     max_position_embeddings=512,
 )
 
-ARCHITECTURES = ["llama", "qwen3", "mixtral", "qwen3_moe"]
+ARCHITECTURES = ["llama", "qwen3", "mixtral", "qwen3_moe", "llama4", "gpt_oss"]
 
 
 def make_hf_config(arch: str):
@@ -72,6 +72,49 @@ def make_hf_config(arch: str):
             mlp_only_layers=[0],
             norm_topk_prob=True,
         )
+    if arch == "llama4":
+        # Layer 3 is NoPE (no_rope_layer_interval 4) with temperature tuning that varies over a
+        # few tokens (floor_scale 4); layers 1 and 3 are MoE (top-2, so the input scaling is
+        # summed over choices), 0 and 2 dense; chunks of 16 tokens in the RoPE layers.
+        return tf.Llama4TextConfig(
+            **TINY | dict(num_hidden_layers=4, intermediate_size=48),
+            architectures=["Llama4ForCausalLM"],
+            head_dim=16,
+            intermediate_size_mlp=96,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=16,
+            floor_scale=4,
+            attn_scale=0.5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    if arch == "gpt_oss":
+        # Sliding (8 tokens) and full layers; a SwiGLU limit the activations reach; YaRN RoPE.
+        return tf.GptOssConfig(
+            **TINY | dict(intermediate_size=48),
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=1.0,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 128,
+            },
+        )
     raise ValueError(arch)
 
 
@@ -86,6 +129,8 @@ def save_tiny_model(arch: str, folder: str, seed: int = 0, **save_kwargs) -> str
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.08)
+            elif name.endswith(("bias", "sinks")):  # zero by default: make them count
+                p.normal_(0, 0.5)
             if "norm" in name:
                 p.uniform_(0.8, 1.2)
     model.save_pretrained(folder, **save_kwargs)

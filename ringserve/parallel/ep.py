@@ -45,7 +45,7 @@ def _run_rows(experts: Experts, rows, expert_ids, weights, first_expert: int, al
     order = torch.argsort(local, stable=True)
     row_of, local, w = row_of[order], local[order], w[order]
     # ends[e]: pairs routed to local experts 0..e, i.e. where expert e's group ends.
-    experts_here = torch.arange(experts.gate_proj.shape[0], device=rows.device)
+    experts_here = torch.arange(experts.num_local_experts, device=rows.device)
     ends = torch.searchsorted(local, experts_here, right=True, out_int32=True)
     y = experts.grouped_forward(rows[row_of], ends) * w.unsqueeze(-1)
     return torch.zeros_like(rows).index_add_(0, row_of, y)

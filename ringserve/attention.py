@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ringserve.attention_plan import AttentionPlan, Block, plan_attention, plan_seen
+from ringserve.config import FULL_ATTENTION, AttentionWindow
+from ringserve.local_attention import windowed_suffix_attention
 from ringserve.lse_merge import merge_partials
 
 
@@ -41,6 +43,9 @@ class VarlenBatch:
     # [Tq] int64 on the device and the host; the keys' positions are then never needed.
     seen_keys: torch.Tensor | None = None
     seen_keys_host: torch.Tensor | None = None
+    # causal_suffix batches whose keys do not start at position 0 (pages gathered from the
+    # first block a window sees): each sequence's first key position, host ints.
+    k_offsets: list[int] | None = None
     _plan: AttentionPlan | None = None  # made once per batch (a ring step's batch serves every layer)
 
     @property
@@ -60,8 +65,13 @@ class VarlenBatch:
         return self._plan
 
 
-def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float):
-    """Causal attention of packed queries over packed keys; returns (out, lse)."""
+def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float, window: AttentionWindow = FULL_ATTENTION):
+    """Causal attention of packed queries over packed keys, each query seeing only the keys
+    its window lets it (sliding window, attention chunk); returns (out, lse)."""
+    if not window.is_full:
+        if batch.causal_suffix and batch.q_bounds is not None:
+            return windowed_suffix_attention(q, k, v, batch, scale, window)
+        return _math_varlen(q, k, v, batch, scale, window)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and batch.causal_suffix:
         # cuDNN is the fastest kernel with LSE on Hopper (about twice the flash kernel at
         # long lengths), called per sequence: for whole prompts, and for long chunks after a
@@ -258,7 +268,32 @@ def _flash_varlen(q, k, v, batch: VarlenBatch, scale: float):
     return out, lse.transpose(0, 1)
 
 
-def _math_varlen(q, k, v, batch: VarlenBatch, scale: float):
+def _flash_varlen_window(q, k, v, q_bounds: list[int], k_bounds: list[int], sliding: int, scale: float):
+    """Causal flash varlen attention (bottom-right aligned) where each query sees only its
+    last `sliding` keys: the kernel skips the key blocks outside the band."""
+
+    def to_device(bounds):
+        return torch.tensor(bounds, dtype=torch.int32).to(q.device, non_blocking=True)
+
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q,
+        k,
+        v,
+        to_device(q_bounds),
+        to_device(k_bounds),
+        max(b - a for a, b in zip(q_bounds[:-1], q_bounds[1:])),
+        max(b - a for a, b in zip(k_bounds[:-1], k_bounds[1:])),
+        0.0,
+        True,
+        False,
+        scale=scale,
+        window_size_left=sliding - 1,
+        window_size_right=0,
+    )
+    return out, lse.transpose(0, 1)
+
+
+def _math_varlen(q, k, v, batch: VarlenBatch, scale: float, window: AttentionWindow = FULL_ATTENTION):
     """Reference path for any device and dtype: explicit scores, float32 softmax."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
@@ -280,7 +315,10 @@ def _math_varlen(q, k, v, batch: VarlenBatch, scale: float):
             keys = torch.arange(k1 - k0, device=q.device)
             visible = keys[None, :] < batch.seen_keys[q0:q1, None]
         else:
-            visible = batch.q_positions[q0:q1, None] >= batch.k_positions[None, k0:k1]
+            q_pos, k_pos = batch.q_positions[q0:q1, None], batch.k_positions[None, k0:k1]
+            visible = q_pos >= k_pos
+            if not window.is_full:
+                visible &= k_pos >= window.first_visible(q_pos)
         scores = scores.masked_fill(~visible, float("-inf"))
         seq_lse = torch.logsumexp(scores, dim=-1)  # [NKV, G, Lq]; -inf where nothing visible
         probs = torch.exp(scores - seq_lse.unsqueeze(-1).clamp(min=torch.finfo(torch.float32).min))

@@ -14,25 +14,12 @@ def _refuse(arch: str, field: str, value, why: str):
     raise ModelLoadError(f"{arch}: {field}={value!r} is not supported ({why})")
 
 
-def _check_layer_types(arch: str, hf, known: tuple[str, ...]) -> list[str]:
-    layer_types = list(getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers)
-    unknown = sorted(set(layer_types) - set(known))
+def _check_layer_types(arch: str, hf, known: tuple[str, ...]) -> None:
+    """The family's own layer types only (config.attention_windows_from_hf turns them into
+    windows: Llama 4 chunks, gpt-oss sliding windows)."""
+    unknown = sorted(set(getattr(hf, "layer_types", None) or ()) - set(known))
     if unknown:
-        _refuse(arch, "layer_types", unknown, f"ringserve implements {', '.join(known)}")
-    if len(layer_types) < hf.num_hidden_layers:
-        _refuse(arch, "layer_types", layer_types, "fewer entries than num_hidden_layers")
-    return layer_types[: hf.num_hidden_layers]
-
-
-def _layer_window(kind: str, size):
-    """An AttentionWindow for one layer type (None: full causal attention)."""
-    from ringserve.config import AttentionWindow
-
-    if kind == "chunked_attention" and size:
-        return AttentionWindow(chunk=size)
-    if kind == "sliding_attention" and size:
-        return AttentionWindow(sliding=size)
-    return AttentionWindow()
+        _refuse(arch, "layer_types", unknown, f"{arch} layers are {' or '.join(known)}")
 
 
 def llama4_text_fields(hf) -> dict:
@@ -47,8 +34,7 @@ def llama4_text_fields(hf) -> dict:
     use_rope = list(hf.no_rope_layers)  # 1: the layer applies RoPE (transformers' naming)
     if len(use_rope) < layers:
         _refuse(arch, "no_rope_layers", use_rope, "fewer entries than num_hidden_layers")
-    layer_types = _check_layer_types(arch, hf, ("chunked_attention", "full_attention"))
-    chunk = getattr(hf, "attention_chunk_size", None)
+    _check_layer_types(arch, hf, ("chunked_attention", "full_attention"))
     return dict(
         intermediate_size=hf.intermediate_size_mlp,  # the dense layers' MLP
         moe_intermediate_size=hf.intermediate_size,  # each expert's, and the shared expert's
@@ -65,7 +51,6 @@ def llama4_text_fields(hf) -> dict:
         attn_temperature=(float(hf.floor_scale), float(hf.attn_scale))
         if hf.attn_temperature_tuning
         else None,
-        attention_windows=tuple(_layer_window(kind, chunk) for kind in layer_types),
     )
 
 
@@ -80,7 +65,7 @@ def gpt_oss_fields(hf) -> dict:
         )
         if str(method) not in ("mxfp4", "QuantizationMethod.MXFP4"):
             _refuse(arch, "quantization_config.quant_method", method, "ringserve dequantises mxfp4 only")
-    layer_types = _check_layer_types(arch, hf, ("sliding_attention", "full_attention"))
+    _check_layer_types(arch, hf, ("sliding_attention", "full_attention"))
     return dict(
         num_experts=hf.num_local_experts,
         num_experts_per_tok=hf.num_experts_per_tok,
@@ -91,7 +76,6 @@ def gpt_oss_fields(hf) -> dict:
         swiglu=(float(hf.swiglu_alpha), float(hf.swiglu_limit)),
         o_proj_bias=bool(hf.attention_bias),
         attention_sinks=True,
-        attention_windows=tuple(_layer_window(kind, hf.sliding_window) for kind in layer_types),
     )
 
 

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from ringserve.attention import VarlenBatch, attention_with_lse
+from ringserve.config import FULL_ATTENTION, AttentionWindow
 from ringserve.kernels import store_kv
+from ringserve.lse_merge import add_sinks
 from ringserve.paged_attention import PagedBatch, paged_attention
 
 
@@ -50,6 +52,10 @@ class _StepContext:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token (this rank's, under CP)
     tp_all_reduce: Callable[[torch.Tensor], torch.Tensor]  # the sum over tensor-parallel ranks
     experts: Callable  # LocalExperts or ExpertParallel (parallel/ep.py)
+    windows: tuple[AttentionWindow, ...] = ()  # per layer (ModelConfig.attention_windows); () all full
+
+    def window(self, layer: int) -> AttentionWindow:
+        return self.windows[layer] if self.windows else FULL_ATTENTION
 
     def write_kv(self, layer: int, k, v):
         """Store the new tokens' KV; returns this layer's cache tensors."""
@@ -79,15 +85,23 @@ class PagedAttentionContext(_StepContext):
     paged: PagedBatch | None = None
     block_tables: torch.Tensor | None = None  # [rows, max_blocks] int32, the runner's
 
-    def attend(self, layer: int, q, k, v):
+    def attend(self, layer: int, q, k, v, sinks=None):
         k_cache, v_cache = self.write_kv(layer, k, v)
+        window = self.window(layer)
         if self.dense is not None:
-            out, _ = attention_with_lse(q, k, v, self.dense, self.scale)
+            out, lse = attention_with_lse(q, k, v, self.dense, self.scale, window)
         else:
-            out, _ = paged_attention(
-                q, k_cache, v_cache, self.block_tables, self.paged, self.kv_cache.block_size, self.scale
+            out, lse = paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                self.block_tables,
+                self.paged,
+                self.kv_cache.block_size,
+                self.scale,
+                window,
             )
-        return out
+        return add_sinks(out, lse, sinks)
 
 
 @dataclass(kw_only=True)
@@ -98,6 +112,7 @@ class RingAttentionContext(_StepContext):
     local_slots: torch.Tensor  # [K_mine] local slots of every key this rank holds, per sequence
     ring: Callable  # (q, k_local, v_local) -> out
 
-    def attend(self, layer: int, q, k, v):
+    def attend(self, layer: int, q, k, v, sinks=None):
         k_cache, v_cache = self.write_kv(layer, k, v)
-        return self.ring(q, k_cache[self.local_slots], v_cache[self.local_slots])
+        out, lse = self.ring(q, k_cache[self.local_slots], v_cache[self.local_slots], self.window(layer))
+        return add_sinks(out, lse, sinks)

@@ -169,6 +169,7 @@ class ModelRunner:
             self.run_experts,
             local_slots=key_slots,
             ring=ring,
+            windows=self.model.config.attention_windows,
         )
         self.host_elements += (
             step.cp.num_host_elements
@@ -268,6 +269,7 @@ class ModelRunner:
             dense=dense,
             paged=paged,
             block_tables=self.block_tables.tables,
+            windows=self.model.config.attention_windows,
         )
 
     def decode_logits(self, input_ids, positions, rows, seq_lens, num_splits: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ringserve.attention import VarlenBatch, attention_rows
+from ringserve.config import FULL_ATTENTION, AttentionWindow
 from ringserve.lse_merge import merge_partials
 from ringserve.measurements import load_measurement
 from ringserve.parallel.cp_layout import CPStep
@@ -150,8 +151,11 @@ class RingAttention:
             dist.irecv(recv, self.prev_peer, group=self.group),
         ]
 
-    def __call__(self, q, k_local, v_local):
-        """q [Tq, NH, D]: this rank's new tokens; k/v_local [Tk, NKV, D]: all keys it holds."""
+    def __call__(self, q, k_local, v_local, window: AttentionWindow = FULL_ATTENTION):
+        """q [Tq, NH, D]: this rank's new tokens; k/v_local [Tk, NKV, D]: all keys it holds
+        -> (out [Tq, NH, D], lse [Tq, NH] float32) over every rank's keys."""
+        if not window.is_full:
+            raise NotImplementedError("local attention windows under context parallelism")
         if self.algo == "pass_kv":
             return self._pass_kv(q, k_local, v_local)
         return self._pass_q(q, k_local, v_local)
@@ -182,7 +186,7 @@ class RingAttention:
             for request in pending:
                 request.wait()
             current, incoming = incoming, current
-        return merge_partials(outs, lses, first_rows, rows, out_dtype=q.dtype)[0]
+        return merge_partials(outs, lses, first_rows, rows, out_dtype=q.dtype)
 
     def _pass_q(self, q, k_local, v_local):
         longest = max(self.step.num_queries(r) for r in range(self.size))
@@ -208,7 +212,7 @@ class RingAttention:
         dist.all_to_all_single(home_outs, outs, group=self.group)
         dist.all_to_all_single(home_lses, lses, group=self.group)
         n = q.shape[0]
-        return merge_partials([o[:n] for o in home_outs], [lse[:n] for lse in home_lses])[0]
+        return merge_partials([o[:n] for o in home_outs], [lse[:n] for lse in home_lses])
 
 
 # Choosing the ring (DESIGN.md 2.5) --------------------------------------------------------

@@ -102,7 +102,7 @@ def make_hf_config(arch: str):
     if arch == "gpt_oss":
         # Sliding (8 tokens) and full layers; a SwiGLU limit the activations reach; YaRN RoPE.
         return tf.GptOssConfig(
-            **TINY | dict(intermediate_size=48),
+            **TINY | dict(intermediate_size=64),  # MXFP4 groups of 32 along it (tests/test_mxfp4.py)
             head_dim=16,
             num_local_experts=4,
             num_experts_per_tok=2,

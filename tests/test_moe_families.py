@@ -1,0 +1,93 @@
+"""Llama 4 (text) and gpt-oss beyond the common model tests: prompts over several attention
+chunks / sliding windows, chunked prefill across a chunk boundary, prefix-cache hits, the
+rotation and routing details, and the config fields refused by name."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from ringserve import LLM, ModelLoadError, SamplingParams
+from ringserve.engine.engine import LLMEngine
+
+from conftest import hf_model
+from helpers import engine_logits, hf_greedy
+
+FAMILIES = ["llama4", "gpt_oss"]  # tiny configs: chunks of 16 tokens / windows of 8 (conftest)
+
+
+def _prompt(length: int, seed: int = 3) -> list[int]:
+    return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_long_prompt_chunked_prefill_across_a_chunk_boundary(arch, tiny_model_dir):
+    """70 tokens (5 Llama 4 chunks, ~9 gpt-oss windows): a 50-token prefill, then prefill chunks
+    of 7 and 9 tokens after the cached prefix (the second crosses position 64, a chunk boundary),
+    then decode steps through the paged cache: every position's logits as transformers'."""
+    folder = tiny_model_dir(arch)
+    tokens = _prompt(70)
+    with torch.no_grad():
+        ref = hf_model(folder)(torch.tensor([tokens])).logits[0]
+    engine = LLMEngine(folder, device="cpu", dtype="float32")
+    ours = engine_logits(engine, tokens, prefill=50, chunks=[7, 9])
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_prefix_cache_hit_then_greedy_as_transformers(arch, tiny_model_dir):
+    folder = tiny_model_dir(arch)
+    first = _prompt(45)
+    second = first[:40] + _prompt(12, seed=4)  # shares 40 tokens: two cached blocks of 16
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    with LLM(folder, device="cpu", dtype="float32", block_size=16) as llm:
+        llm.generate([first], greedy)
+        before = llm.engine.num_computed_tokens
+        out = llm.generate([second], greedy)[0]
+        computed = llm.engine.num_computed_tokens - before
+    assert computed < len(second) + 20 - 1 - 16  # at least one block came from the cache
+    assert out.token_ids == hf_greedy(hf_model(folder), second, 20)
+
+
+def test_llama4_rotates_interleaved_pairs_and_scales_nope_queries(tiny_model_dir):
+    """The loaded q/k rows are each head's even rows then its odd rows (interleaved RoPE as
+    the half-split one), and the NoPE layer is the one without RoPE, with temperature tuning."""
+    folder = tiny_model_dir("llama4")
+    engine = LLMEngine(folder, device="cpu", dtype="float32")
+    model = engine.executor.worker.model
+    hf = hf_model(folder)
+    d = model.config.head_dim
+    q_ours = model.model.layers[0].self_attn.qkv_proj.weight[: 4 * d]
+    q_hf = hf.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(q_ours[:d][: d // 2], q_hf[:d][0::2]) and torch.equal(
+        q_ours[:d][d // 2 :], q_hf[:d][1::2]
+    )
+    attn = [layer.self_attn for layer in model.model.layers]
+    assert [a.uses_rope for a in attn] == [True, True, True, False]
+    assert [a.temperature_tuned for a in attn] == [False, False, False, True]
+    assert [a.l2_eps is not None for a in attn] == [True, True, True, False]
+    assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["MLP", "Llama4MoeBlock"] * 2
+
+
+def _edited_copy(tmp_path, folder, **changes):
+    copy = tmp_path / "edited"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config.update(changes)
+    (copy / "config.json").write_text(json.dumps(config))
+    return str(copy)
+
+
+@pytest.mark.parametrize(
+    "arch,changes,field",
+    [
+        ("llama4", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        ("llama4", dict(layer_types=["sliding_attention"] * 4), "layer_types=\\['sliding_attention'\\]"),
+        ("gpt_oss", dict(layer_types=["chunked_attention", "full_attention"]), "layer_types="),
+    ],
+)
+def test_unknown_variants_are_refused_by_name(arch, changes, field, tmp_path, tiny_model_dir):
+    folder = _edited_copy(tmp_path, tiny_model_dir(arch), **changes)
+    with pytest.raises(ModelLoadError, match=field):
+        LLM(folder, device="cpu")

@@ -194,10 +194,7 @@ class Attention(nn.Module):
             q, k = l2_norm_heads(q, self.l2_eps), l2_norm_heads(k, self.l2_eps)
         if self.temperature_tuned:
             q = (q * pos.q_scale).to(q.dtype)
-        if self.sinks is None:
-            out = ctx.attend(self.layer, q, k, v)
-        else:
-            out = ctx.attend(self.layer, q, k, v, sinks=self.sinks)
+        out = ctx.attend(self.layer, q, k, v, sinks=self.sinks)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), ctx)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ringserve.attention_plan import AttentionPlan, Block, plan_attention, plan_seen
 from ringserve.config import FULL_ATTENTION, AttentionWindow
-from ringserve.local_attention import windowed_suffix_attention
+from ringserve.local_attention import masked_block, windowed_suffix_attention
 from ringserve.lse_merge import merge_partials
 
 
@@ -43,6 +43,10 @@ class VarlenBatch:
     # [Tq] int64 on the device and the host; the keys' positions are then never needed.
     seen_keys: torch.Tensor | None = None
     seen_keys_host: torch.Tensor | None = None
+    # With a window: how many of those first keys each query does not see (before its
+    # window), [Tq] int64 on the device and the host; it sees keys first .. seen - 1.
+    first_keys: torch.Tensor | None = None
+    first_keys_host: torch.Tensor | None = None
     # causal_suffix batches whose keys do not start at position 0 (pages gathered from the
     # first block a window sees): each sequence's first key position, host ints.
     k_offsets: list[int] | None = None
@@ -56,8 +60,12 @@ class VarlenBatch:
         if self._plan is None:
             if self.seen_keys_host is not None:
                 bounds = zip(self.q_bounds[:-1], self.q_bounds[1:])
+                bounds = list(bounds)
                 seen = [self.seen_keys_host[q0:q1] for q0, q1 in bounds]
-                self._plan = plan_seen(self.q_bounds, self.k_bounds, seen)
+                first = None
+                if self.first_keys_host is not None:
+                    first = [self.first_keys_host[q0:q1] for q0, q1 in bounds]
+                self._plan = plan_seen(self.q_bounds, self.k_bounds, seen, first)
             else:
                 self._plan = plan_attention(
                     self.q_bounds, self.k_bounds, self.q_positions_host, self.k_positions_host
@@ -71,7 +79,8 @@ def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float, window: Attent
     if not window.is_full:
         if batch.causal_suffix and batch.q_bounds is not None:
             return windowed_suffix_attention(q, k, v, batch, scale, window)
-        return _math_varlen(q, k, v, batch, scale, window)
+        if batch.first_keys is None:  # positions, not counts: the explicit mask
+            return _math_varlen(q, k, v, batch, scale, window)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and batch.causal_suffix:
         # cuDNN is the fastest kernel with LSE on Hopper (about twice the flash kernel at
         # long lengths), called per sequence: for whole prompts, and for long chunks after a
@@ -131,6 +140,8 @@ def _planned(q, k, v, plan: AttentionPlan, batch: VarlenBatch, scale: float):
     for group in plan.groups:
         q0, q1 = group[0].q0, group[0].q1
         out[q0:q1], lse[q0:q1] = _attend_group(q, k, v, group, scale)
+    for q0, q1, k0, k1, visible in plan.banded:  # a window's band: one masked tile
+        out[q0:q1], lse[q0:q1] = masked_block(q[q0:q1], k[k0:k1], v[k0:k1], visible.to(q.device), scale)
     for q0, q1, k0, k1 in plan.masked:  # keys out of order: the explicit mask
         sub = VarlenBatch(
             torch.tensor([0, q1 - q0]),
@@ -314,6 +325,8 @@ def _math_varlen(q, k, v, batch: VarlenBatch, scale: float, window: AttentionWin
         if batch.seen_keys is not None:  # keys sorted by position: query t sees the first seen[t]
             keys = torch.arange(k1 - k0, device=q.device)
             visible = keys[None, :] < batch.seen_keys[q0:q1, None]
+            if batch.first_keys is not None:  # a window: nor before its first key
+                visible &= keys[None, :] >= batch.first_keys[q0:q1, None]
         else:
             q_pos, k_pos = batch.q_positions[q0:q1, None], batch.k_positions[None, k0:k1]
             visible = q_pos >= k_pos

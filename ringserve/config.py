@@ -226,6 +226,13 @@ class ModelConfig:
         return any(not w.is_full for w in self.attention_windows)
 
     @property
+    def local_lookback(self) -> int | None:
+        """The most keys before its own position a query of a windowed layer sees; None
+        when every layer is full."""
+        spans = [w.lookback() for w in self.attention_windows if not w.is_full]
+        return max(spans) if spans else None
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 

@@ -95,7 +95,15 @@ def _sliding_tiles(q, k, v, q_bounds, k_bounds, offsets, scale: float, window: A
 
 def masked_block(q, k, v, visible: torch.Tensor, scale: float):
     """q [Lq, NH, D] against k/v [Lk, NKV, D] where visible [Lq, Lk] says which keys each
-    query sees (every query at least one) -> (out, lse [Lq, NH] float32)."""
+    query sees -> (out, lse [Lq, NH] float32); a query that sees none gets 0 and -inf."""
+    out, lse = _masked_block(q, k, v, visible, scale)
+    unseen = ~visible.any(1)
+    if bool(unseen.any()):
+        out[unseen], lse[unseen] = 0, float("-inf")
+    return out, lse
+
+
+def _masked_block(q, k, v, visible: torch.Tensor, scale: float):
     bias = torch.zeros(
         visible.shape, dtype=torch.float32 if q.dtype == torch.float32 else q.dtype, device=q.device
     )

@@ -21,7 +21,7 @@ from ringserve.sampling_params import SamplingParams
 def engine_logits(engine, token_ids: list[int], prefill: int, chunks: list[int] = ()) -> torch.Tensor:
     """Logits [len, V] of every position: `prefill` tokens in one step, then a step per
     chunk (sizes in `chunks`) after that cached prefix, then one token per step through
-    the paged cache, as decoding computes them."""
+    the paged cache, as decoding computes them (under CP through the ring the engine picks)."""
     seq = Sequence("probe", token_ids[:prefill], SamplingParams())
     engine.scheduler.take_row(seq)
     rows = []
@@ -29,7 +29,9 @@ def engine_logits(engine, token_ids: list[int], prefill: int, chunks: list[int] 
     for n in steps:
         seq.prompt_token_ids = token_ids[: seq.num_computed_tokens + n]
         assert engine.block_manager.allocate(seq, n)
-        step = StepInput.from_batch(ScheduledBatch([seq], [n]), engine.block_manager.layout)
+        batch = ScheduledBatch([seq], [n])
+        step = StepInput.from_batch(batch, engine.block_manager.layout)
+        step.cp_algo = engine._choose_cp_algo(batch)  # the engine's ring (a forced one, or auto)
         rows.append(engine.executor.execute(step, all_logits=True))
         seq.num_computed_tokens += n
     engine.block_manager.free(seq)
@@ -53,11 +55,13 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return tokens
 
 
-def ring_step(starts: list[int], totals: list[int], block_size: int, cp: int):
+def ring_step(starts: list[int], totals: list[int], block_size: int, cp: int, lookback: int | None = None):
     """A step of sequences whose first starts[i] tokens are cached and which compute up to
     totals[i], placed by a CP layout as the engine places them (cached blocks first, then
-    the new ones): (RingStep, the layout, each sequence's per-rank key positions)."""
-    manager = BlockManager(-(-max(totals) // block_size) * len(totals) * cp, block_size, False, cp)
+    the new ones): (RingStep, the layout, each sequence's per-rank key positions).
+    lookback: of the model's attention windows (ModelConfig.local_lookback)."""
+    num_blocks = -(-max(totals) // block_size) * len(totals) * cp
+    manager = BlockManager(num_blocks, block_size, False, cp, lookback)
     seqs = []
     for i, (start, total) in enumerate(zip(starts, totals)):
         seq = Sequence(str(i), [0] * total, SamplingParams())

@@ -105,3 +105,122 @@ def test_sinks_join_the_softmax_denominator_only():
         torch.testing.assert_close(add_sinks(out, lse, sinks).double(), ref, rtol=1e-5, atol=1e-5)
     unseen = add_sinks(torch.zeros(1, nh, d), torch.full((1, nh), float("-inf")), sinks)
     assert torch.equal(unseen, torch.zeros(1, nh, d))
+
+
+def _windowed_ring_rank(rank, world_size, algo, window):
+    """One rank's ring attention for a whole prompt of 200 tokens (zigzag chunks of about
+    25 tokens, far longer than the window) and 30 new tokens after 22 cached ones, against
+    the dense masked softmax; with the ring's counts of skipped steps and transfers."""
+    import torch.distributed as dist
+
+    from ringserve.parallel.cp import RingAttention
+
+    from helpers import ring_step
+
+    block, heads, kv_heads, dim = 4, 4, 2, 8
+    starts, totals = [0, 22], [200, 52]
+    step, _, key_positions = ring_step(starts, totals, block, world_size, window.lookback())
+    g = torch.Generator().manual_seed(0)
+    qs = [torch.randn(t, heads, dim, generator=g) for t in totals]
+    ks = [torch.randn(t, kv_heads, dim, generator=g) for t in totals]
+    vs = [torch.randn(t, kv_heads, dim, generator=g) for t in totals]
+    mine = step.owners == rank
+    q_positions = [step.positions[mine & (step.seq == i)] for i in range(len(totals))]
+    q = torch.cat([x[p] for x, p in zip(qs, q_positions)])
+    k = torch.cat([x[p[rank]] for x, p in zip(ks, key_positions)])
+    v = torch.cat([x[p[rank]] for x, p in zip(vs, key_positions)])
+    ring = RingAttention(dist.group.WORLD, step, algo, dim**-0.5, "cpu")
+    got, got_lse = ring(q, k, v, window)
+    want, want_lse = [], []
+    for x, kk, vv, p, total in zip(qs, ks, vs, q_positions, totals):
+        out, lse = dense_reference(
+            x, kk, vv, torch.arange(total), torch.arange(total), dim**-0.5, window.sliding, window.chunk
+        )
+        want.append(out[p])
+        want_lse.append(lse[p])
+    err = max(
+        (got.double() - torch.cat(want)).abs().max().item(),
+        (got_lse.double() - torch.cat(want_lse)).abs().max().item(),
+    )
+    return err, ring.skipped_steps, ring.transfers
+
+
+@pytest.mark.parametrize("algo", ["pass_kv", "pass_q"])
+@pytest.mark.parametrize("window", [AttentionWindow(sliding=5), AttentionWindow(chunk=8)], ids=str)
+def test_ring_skips_steps_outside_every_window(algo, window):
+    """4 gloo ranks: the windowed ring equals the dense masked softmax, and ring steps
+    between ranks whose keys no query sees are skipped (no attention call) with no
+    transfer: with a window of 5 each zigzag chunk sees only the chunk before it (held by
+    a neighbour at ring distance 1 or 3), so distance 2 never runs; chunks of 8 do not
+    align with the zigzag chunks, so some spill over to a neighbour too."""
+    from ringserve.parallel.local_world import run_local_world
+
+    results = run_local_world(_windowed_ring_rank, 4, algo, window, timeout_s=60)
+    assert all(err < 1e-5 for err, _, _ in results), results
+    skipped = [s for _, s, _ in results]
+    transfers = [t for _, _, t in results]
+    assert sum(skipped) >= 4, skipped  # every rank skips a step (distance 2 at least)
+    assert max(transfers) <= 2, transfers  # never the 3 transfers of a full ring
+
+
+def test_auto_counts_only_the_keys_windows_see():
+    """The cost model's cached tokens are those the new tokens can see, averaged over the
+    layers: a follow-up turn of 1% new tokens on a 128K cache is pass-Q for full attention
+    (the paper's figures, tests/test_cp.py: pass-KV from 8.4% new tokens at this T) but
+    pass-KV when every layer has a window of 4096, and still pass-Q when one layer in six
+    is full (5% visible new tokens)."""
+    from ringserve.parallel.cp import CPCalibration, choose_cp_algo, visible_cached_tokens
+
+    paper = CPCalibration(attention_flops=800e12, link_bytes_per_s=50e9)
+    context = 128 * 1024
+    new = context // 100
+    full, sliding = AttentionWindow(), AttentionWindow(sliding=4096)
+    cached = [context - new]
+    assert visible_cached_tokens((full,) * 6, cached) == context - new
+    assert visible_cached_tokens((sliding,) * 6, cached) == 4095
+    assert visible_cached_tokens((sliding,) * 5 + (full,), cached) == (5 * 4095 + context - new) / 6
+
+    def algo(windows):
+        return choose_cp_algo(new, visible_cached_tokens(windows, cached), 4, 128, 8, 2, paper)
+
+    assert algo((full,) * 6) == "pass_q"
+    assert algo((sliding,) * 6) == "pass_kv"
+    assert algo((sliding,) * 5 + (full,)) == "pass_q"
+
+
+MISTRAL_TOKENS = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+@pytest.mark.parametrize("algo", ["pass_kv", "pass_q"])
+def test_mistral_under_cp2_matches_transformers_and_skips_steps(algo, tiny_model_dir, monkeypatch):
+    """cp=2 with the ring forced, blocks of 16 and a window of 8: a prefill of 40 tokens
+    then decode steps, logits against transformers; the windowed ring ran (rank 0, in this
+    process) and skipped the steps whose keys lay on a rank the window did not reach (a
+    decode token whose window lies in one block sees nothing on the other rank)."""
+    from ringserve import LLM
+    from ringserve.parallel.cp import RingAttention
+
+    from conftest import hf_model
+    from helpers import engine_logits
+
+    ran = {"pass_kv": 0, "pass_q": 0, "skipped": 0}
+    for name in ran.keys() - {"skipped"}:
+        original = getattr(RingAttention, "_local_" + name)
+
+        def counting(attn, *args, name=name, original=original):
+            before = attn.skipped_steps
+            result = original(attn, *args)
+            ran[name] += 1
+            ran["skipped"] += attn.skipped_steps - before
+            return result
+
+        monkeypatch.setattr(RingAttention, "_local_" + name, counting)
+    folder = tiny_model_dir("mistral")
+    with LLM(folder, device="cpu", dtype="float32", block_size=16, cp=2, cp_algo=algo, timeout_s=60) as llm:
+        ours = engine_logits(llm.engine, MISTRAL_TOKENS, prefill=40)
+    with torch.no_grad():
+        ref = hf_model(folder)(torch.tensor([MISTRAL_TOKENS])).logits[0]
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    layers, steps = 2, 1 + 20
+    assert ran[algo] == layers * steps and ran[({"pass_kv", "pass_q"} - {algo}).pop()] == 0
+    assert ran["skipped"] > 0

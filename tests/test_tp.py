@@ -31,6 +31,7 @@ def single_rank(folder):
     [
         ("llama", 2),
         ("llama", 4),
+        ("mistral", 2),
         ("qwen3", 2),
         ("mixtral", 2),
         ("qwen3_moe", 4),

@@ -19,13 +19,19 @@ from ringserve.parallel.cp_layout import CPLayout
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_ranks: int = 1
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_ranks: int = 1,
+        lookback: int | None = None,
     ):
-        """num_blocks: blocks in all; num_ranks pools of num_blocks // num_ranks each."""
+        """num_blocks: blocks in all; num_ranks pools of num_blocks // num_ranks each.
+        lookback: ModelConfig.local_lookback (the ring counts keys before windows by it)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_ranks = num_ranks
-        self.layout = CPLayout(num_ranks, num_blocks // num_ranks, block_size)
+        self.layout = CPLayout(num_ranks, num_blocks // num_ranks, block_size, lookback)
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks

@@ -38,7 +38,7 @@ from ringserve.errors import ModelLoadError, RequestError, RequestTooLargeError
 from ringserve.gguf_import import builtin_model_path, converted_folder
 from ringserve.options import EngineOptions
 from ringserve.outputs import RequestOutput, TokenLogprob
-from ringserve.parallel.cp import CPCalibration, choose_cp_algo
+from ringserve.parallel.cp import CPCalibration, choose_cp_algo, visible_cached_tokens
 from ringserve.parallel.mesh import Mesh
 from ringserve.parallel.tp import validate_tp
 from ringserve.sampling_params import SamplingParams
@@ -206,7 +206,9 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(self.model_path, config, self.tokenizer)
         self.cp_calibration = CPCalibration.load(self.device.type)
         num_blocks = self.executor.num_blocks * parallel.cp  # each CP rank has its own pool
-        self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching, parallel.cp)
+        self.block_manager = BlockManager(
+            num_blocks, ec.block_size, ec.enable_prefix_caching, parallel.cp, config.local_lookback
+        )
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs)
         self.seqs: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -509,7 +511,8 @@ class LLMEngine:
             return self.cp_algo
         c = self.model_config
         new = sum(batch.num_tokens)
-        cached = sum(seq.num_computed_tokens for seq in batch.seqs)
+        # the cached keys the new tokens can see (all of them without local attention)
+        cached = visible_cached_tokens(c.attention_windows, [seq.num_computed_tokens for seq in batch.seqs])
         algo = choose_cp_algo(
             new,
             cached,
@@ -520,7 +523,11 @@ class LLMEngine:
             self.cp_calibration,
         )
         logger.debug(
-            "cp step: %d new, %d cached tokens over %d ranks -> %s", new, cached, self.parallel.cp, algo
+            "cp step: %d new, %d cached tokens over %d ranks -> %s",
+            new,
+            cached,
+            self.parallel.cp,
+            algo,
         )
         return algo
 

@@ -69,6 +69,10 @@ class RingStep:
         self._seq_start = torch.tensor([0, *num_tokens[:-1]], dtype=torch.int64).cumsum(0)  # [S] first token
         self.host_elements = runs.numel() + 5 * total + 4 * self.keys.numel() + num_seqs
         self._new_keys_before: dict[int, torch.Tensor] = {}
+        self._recent_blocks, self._block_size = cp.recent_blocks, cp.block_size
+        self._num_tokens = num_tokens
+        self._skipped: dict[tuple[int, AttentionWindow], torch.Tensor] = {}
+        self._work: dict[AttentionWindow, torch.Tensor] = {}
 
     def num_queries(self, rank: int) -> int:
         return self._num_queries[rank]
@@ -85,13 +89,60 @@ class RingStep:
             self.host_elements += 3 * len(held)
         return self._new_keys_before[k_rank]
 
-    def varlen(self, q_rank: int, k_rank: int, device) -> VarlenBatch:
+    def _seen(self, k_rank: int) -> torch.Tensor:
+        """[T] per new token, the keys of its sequence on k_rank at or before it."""
+        return self._cached[k_rank][self.seq] + self._seen_new_keys(k_rank)
+
+    def _before_window(self, k_rank: int, window: AttentionWindow) -> torch.Tensor:
+        """[T] per new token, the keys of its sequence on k_rank before the first position
+        its window sees: those held before the step's recent blocks (CPStep.recent_blocks)
+        plus the recent ones, listed by position, below it. O(lookback + new tokens) per
+        sequence, nothing per older cached token."""
+        key = (k_rank, window)
+        if key not in self._skipped:
+            assert len(self._recent_blocks) == len(self._num_tokens), "CPLayout needs the lookback of windows"
+            bs = self._block_size
+            skipped = torch.empty(len(self.seq), dtype=torch.int64)
+            for s, (first_block, ranks) in enumerate(self._recent_blocks):
+                t0, t1 = int(self._seq_start[s]), int(self._seq_start[s]) + self._num_tokens[s]
+                if t1 == t0:
+                    continue
+                end = int(self.positions[t1 - 1]) + 1
+                blocks = torch.tensor(
+                    [first_block + i for i, r in enumerate(ranks) if r == k_rank], dtype=torch.int64
+                )
+                held = (blocks[:, None] * bs + torch.arange(bs)).flatten()
+                held = held[held < end]  # [K] positions held on k_rank from the first recent block
+                before = int(self.keys[k_rank, s]) - len(held)
+                firsts = window.first_visible(self.positions[t0:t1])
+                skipped[t0:t1] = before + torch.searchsorted(held, firsts)
+                self.host_elements += len(held) + 2 * (t1 - t0)
+            self._skipped[key] = skipped
+        return self._skipped[key]
+
+    def pairs_with_work(self, window: AttentionWindow) -> torch.Tensor:
+        """[N, N] bool: whether any query of rank q sees any key of rank k (a ring step
+        between them that does nothing is skipped: no attention call, no transfer)."""
+        if window not in self._work:
+            work = torch.zeros(self.num_ranks, self.num_ranks, dtype=torch.bool)
+            for k_rank in range(self.num_ranks):
+                visible = self._seen(k_rank) > (0 if window.is_full else self._before_window(k_rank, window))
+                seen_by = torch.bincount(self.owners[visible], minlength=self.num_ranks)
+                work[:, k_rank] = seen_by > 0
+            self._work[window] = work
+        return self._work[window]
+
+    def varlen(
+        self, q_rank: int, k_rank: int, device, window: AttentionWindow = FULL_ATTENTION
+    ) -> VarlenBatch:
         """Attention metadata of q_rank's queries against k_rank's keys: each query sees the
         keys of its sequence there up to its position (the cached ones and the new ones
-        at or before it; keys are packed per sequence in position order)."""
+        at or before it; keys are packed per sequence in position order), from the first
+        one its window sees."""
         mine = self.owners == q_rank
         seq = self.seq[mine]
-        seen = self._cached[k_rank][seq] + self._seen_new_keys(k_rank)[mine]
+        seen = self._seen(k_rank)[mine]
+        first = None if window.is_full else self._before_window(k_rank, window)[mine]
         q_lens, k_lens = self.queries[q_rank], self.keys[k_rank]
         cu_q = [0, *torch.cumsum(q_lens, 0).tolist()]
         cu_k = [0, *torch.cumsum(k_lens, 0).tolist()]
@@ -113,6 +164,8 @@ class RingStep:
             k_bounds=cu_k,
             seen_keys=to_device(seen),
             seen_keys_host=seen,
+            first_keys=None if first is None else to_device(first),
+            first_keys_host=first,
         )
 
 
@@ -133,16 +186,23 @@ class RingAttention:
         self.step = step
         self.algo = algo
         self.scale = scale
-        # (query rank, key rank) -> attention metadata, built once per step for all layers:
-        # pass-KV attends this rank's queries to every rank's keys, pass-Q every rank's
-        # queries to this rank's keys.
+        self.device = device
+        # (query rank, key rank, window) -> attention metadata, built once per step for all
+        # layers of that window: pass-KV attends this rank's queries to every rank's keys,
+        # pass-Q every rank's queries to this rank's keys.
         self._batches = {}
         for other in range(self.size):
-            pair = (self.rank, other) if algo == "pass_kv" else (other, self.rank)
-            self._batches[pair] = step.varlen(*pair, device)
+            self._batch(*((self.rank, other) if algo == "pass_kv" else (other, self.rank)))
+        # Windowed layers: ring steps this rank skipped (no attention call), and transfers
+        # it made, summed over layers (tests read them).
+        self.skipped_steps = 0
+        self.transfers = 0
 
-    def _batch(self, q_rank: int, k_rank: int) -> VarlenBatch:
-        return self._batches[(q_rank, k_rank)]
+    def _batch(self, q_rank: int, k_rank: int, window: AttentionWindow = FULL_ATTENTION) -> VarlenBatch:
+        key = (q_rank, k_rank, window)
+        if key not in self._batches:
+            self._batches[key] = self.step.varlen(q_rank, k_rank, self.device, window)
+        return self._batches[key]
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor):
         """Start sending `send` to the next rank and receiving into `recv` from the previous."""
@@ -154,13 +214,13 @@ class RingAttention:
     def __call__(self, q, k_local, v_local, window: AttentionWindow = FULL_ATTENTION):
         """q [Tq, NH, D]: this rank's new tokens; k/v_local [Tk, NKV, D]: all keys it holds
         -> (out [Tq, NH, D], lse [Tq, NH] float32) over every rank's keys."""
-        if not window.is_full:
-            raise NotImplementedError("local attention windows under context parallelism")
         if self.algo == "pass_kv":
-            return self._pass_kv(q, k_local, v_local)
-        return self._pass_q(q, k_local, v_local)
+            return self._pass_kv(q, k_local, v_local, window)
+        return self._pass_q(q, k_local, v_local, window)
 
-    def _pass_kv(self, q, k_local, v_local):
+    def _pass_kv(self, q, k_local, v_local, window: AttentionWindow = FULL_ATTENTION):
+        if not window.is_full:
+            return self._local_pass_kv(q, k_local, v_local, window)
         longest = max(self.step.num_keys(r) for r in range(self.size))
         current = k_local.new_zeros(longest, 2, *k_local.shape[1:])  # K and V travel together
         current[: k_local.shape[0], 0] = k_local
@@ -188,7 +248,9 @@ class RingAttention:
             current, incoming = incoming, current
         return merge_partials(outs, lses, first_rows, rows, out_dtype=q.dtype)
 
-    def _pass_q(self, q, k_local, v_local):
+    def _pass_q(self, q, k_local, v_local, window: AttentionWindow = FULL_ATTENTION):
+        if not window.is_full:
+            return self._local_pass_q(q, k_local, v_local, window)
         longest = max(self.step.num_queries(r) for r in range(self.size))
         current = q.new_zeros(longest, *q.shape[1:])
         current[: q.shape[0]] = q
@@ -214,6 +276,117 @@ class RingAttention:
         n = q.shape[0]
         return merge_partials([o[:n] for o in home_outs], [lse[:n] for lse in home_lses])
 
+    # Windowed layers: only the steps with work -------------------------------------------
+    #
+    # Under a sliding window or attention chunks most pairs of ranks share no visible key
+    # (a zigzag chunk longer than the window sees only its neighbours' chunks; Llama 4's
+    # chunks can lie wholly on one rank). Every rank knows which pairs have work
+    # (RingStep.pairs_with_work), so ring step j, between ranks j apart, runs only where it
+    # has work: the block goes straight from its owner to the rank j ahead (not hop by hop
+    # through ranks that would skip it), and a step nobody needs costs nothing at all.
+
+    def _steps_with_work(self, work: torch.Tensor, q_ahead: bool) -> list[int]:
+        """Ring distances j > 0 at which some pair has work: queries of x against keys of
+        x - j (pass-KV) or of x + j (pass-Q, q_ahead)."""
+        n = self.size
+        sign = 1 if q_ahead else -1
+        return [j for j in range(1, n) if any(bool(work[x, (x + sign * j) % n]) for x in range(n))]
+
+    def _start_direct(self, j: int, send: torch.Tensor, recv: torch.Tensor, send_ok: bool, recv_ok: bool):
+        """Send to the rank j ahead and receive from the rank j behind, where wanted."""
+        requests = []
+        if send_ok:
+            peer = dist.get_global_rank(self.group, (self.rank + j) % self.size)
+            requests.append(dist.isend(send, peer, group=self.group))
+            self.transfers += 1
+        if recv_ok:
+            peer = dist.get_global_rank(self.group, (self.rank - j) % self.size)
+            requests.append(dist.irecv(recv, peer, group=self.group))
+        return requests
+
+    def _local_pass_kv(self, q, k_local, v_local, window: AttentionWindow):
+        work = self.step.pairs_with_work(window)  # [query rank, key rank]
+        r, n = self.rank, self.size
+        steps = self._steps_with_work(work, q_ahead=False)
+        mine = k_local.new_zeros(max(self.step.num_keys(x) for x in range(n)), 2, *k_local.shape[1:])
+        mine[: k_local.shape[0], 0] = k_local
+        mine[: k_local.shape[0], 1] = v_local
+        buffers = [torch.empty_like(mine), torch.empty_like(mine)] if steps else []
+
+        def start(i):
+            j = steps[i]
+            return self._start_direct(
+                j, mine, buffers[i % 2], bool(work[(r + j) % n, r]), bool(work[r, (r - j) % n])
+            )
+
+        outs, lses, first_rows = [], [], []
+
+        def attend(src, kv):
+            if not work[r, src]:
+                self.skipped_steps += 1
+                return
+            keys = self.step.num_keys(src)
+            out, lse, first = attention_rows(
+                q, kv[:keys, 0], kv[:keys, 1], self._batch(r, src, window), self.scale
+            )
+            outs.append(out)
+            lses.append(lse)
+            first_rows.append(first)
+
+        pending = start(0) if steps else []
+        attend(r, mine)
+        self.skipped_steps += n - 1 - len(steps)
+        for i, j in enumerate(steps):
+            for request in pending:
+                request.wait()
+            pending = start(i + 1) if i + 1 < len(steps) else []
+            attend((r - j) % n, buffers[i % 2])
+        if not outs:  # no query on this rank
+            return torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"), device=q.device)
+        return merge_partials(outs, lses, first_rows, q.shape[0], out_dtype=q.dtype)
+
+    def _local_pass_q(self, q, k_local, v_local, window: AttentionWindow):
+        work = self.step.pairs_with_work(window)  # [query rank, key rank]
+        r, n = self.rank, self.size
+        steps = self._steps_with_work(work, q_ahead=True)
+        longest = max(self.step.num_queries(x) for x in range(n))
+        mine = q.new_zeros(longest, *q.shape[1:])
+        mine[: q.shape[0]] = q
+        buffers = [torch.empty_like(mine), torch.empty_like(mine)] if steps else []
+        outs = q.new_zeros(n, longest, *q.shape[1:])  # partials for each origin rank
+        lses = torch.full((n, longest, q.shape[1]), float("-inf"), device=q.device)
+
+        def start(i):
+            j = steps[i]
+            return self._start_direct(
+                j, mine, buffers[i % 2], bool(work[r, (r + j) % n]), bool(work[(r - j) % n, r])
+            )
+
+        def attend(src, queries):
+            if not work[src, r]:
+                self.skipped_steps += 1
+                return
+            count = self.step.num_queries(src)
+            out, lse, first = attention_rows(
+                queries[:count], k_local, v_local, self._batch(src, r, window), self.scale
+            )
+            outs[src, first : first + out.shape[0]] = out  # other rows stay 0 / -inf: unseen
+            lses[src, first : first + out.shape[0]] = lse
+
+        pending = start(0) if steps else []
+        attend(r, mine)
+        self.skipped_steps += n - 1 - len(steps)
+        for i, j in enumerate(steps):
+            for request in pending:
+                request.wait()
+            pending = start(i + 1) if i + 1 < len(steps) else []
+            attend((r - j) % n, buffers[i % 2])
+        home_outs, home_lses = torch.empty_like(outs), torch.empty_like(lses)
+        dist.all_to_all_single(home_outs, outs, group=self.group)
+        dist.all_to_all_single(home_lses, lses, group=self.group)
+        count = q.shape[0]
+        return merge_partials([o[:count] for o in home_outs], [lse[:count] for lse in home_lses])
+
 
 # Choosing the ring (DESIGN.md 2.5) --------------------------------------------------------
 
@@ -232,6 +405,16 @@ class CPCalibration:
         if device_type == "cpu":
             return cls(attention_flops=20e9, link_bytes_per_s=2e9)
         return cls()
+
+
+def visible_cached_tokens(windows: tuple[AttentionWindow, ...], cached: list[int]) -> float:
+    """The cached keys a step's new tokens can see, averaged over the layers (the cost model
+    counts only those): a full layer sees every sequence's cache, a windowed one at most
+    its lookback of it. windows: per layer (() all full); cached: per sequence."""
+    if not windows or all(w.is_full for w in windows):
+        return float(sum(cached))
+    per_layer = [sum(p if w.is_full else min(p, w.lookback()) for p in cached) for w in windows]
+    return sum(per_layer) / len(per_layer)
 
 
 def choose_cp_algo(

@@ -76,17 +76,18 @@ def make_hf_config(arch: str):
             norm_topk_prob=True,
         )
     if arch == "llama4":
-        # Layer 3 is NoPE (no_rope_layer_interval 4) with temperature tuning that varies over a
-        # few tokens (floor_scale 4); layers 1 and 3 are MoE (top-2, so the input scaling is
-        # summed over choices), 0 and 2 dense; chunks of 16 tokens in the RoPE layers.
+        # Layer 1 is NoPE (no_rope_layer_interval 2; Scout: 4) with temperature tuning that
+        # varies over a few tokens (floor_scale 4) and MoE (top-2, so the input scaling is summed
+        # over choices); layer 0 is dense, with RoPE over chunks of 16 tokens.
         return tf.Llama4TextConfig(
-            **TINY | dict(num_hidden_layers=4, intermediate_size=48),
+            **TINY | dict(intermediate_size=48),
             architectures=["Llama4ForCausalLM"],
             head_dim=16,
             intermediate_size_mlp=96,
             num_local_experts=4,
             num_experts_per_tok=2,
             interleave_moe_layer_step=2,
+            no_rope_layer_interval=2,
             attention_chunk_size=16,
             floor_scale=4,
             attn_scale=0.5,

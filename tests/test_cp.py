@@ -55,6 +55,9 @@ def reference(tiny_model_dir):
         ("qwen3", dict(cp=4, cp_algo="pass_kv")),
         ("qwen3", dict(cp=4, cp_algo="pass_q")),
         ("mixtral", dict(tp=2, cp=2)),
+        # Chunks of 16 (Llama 4) and windows of 8 (gpt-oss, with sinks) over the 101-token ring.
+        ("llama4", dict(cp=2, cp_algo="pass_kv")),
+        ("gpt_oss", dict(cp=2, cp_algo="pass_q")),
     ],
 )
 def test_cp_equals_single_rank(arch, layout, tiny_model_dir, reference):

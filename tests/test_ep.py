@@ -41,6 +41,7 @@ def outputs(folder, **kw):
         ("mixtral", dict(tp=2, cp=2, ep=2, ranks_per_host=1)),
         # Fused expert tensors sliced by expert; Llama 4's shared expert stays TP-split.
         ("llama4", dict(tp=2, ep=2)),
+        ("llama4", dict(cp=2, ep=2)),  # the shared expert replicated on both ranks, not dispatched
         ("gpt_oss", dict(tp=2, ep=2)),
     ],
 )

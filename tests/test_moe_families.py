@@ -64,10 +64,10 @@ def test_llama4_rotates_interleaved_pairs_and_scales_nope_queries(tiny_model_dir
         q_ours[:d][d // 2 :], q_hf[:d][1::2]
     )
     attn = [layer.self_attn for layer in model.model.layers]
-    assert [a.uses_rope for a in attn] == [True, True, True, False]
-    assert [a.temperature_tuned for a in attn] == [False, False, False, True]
-    assert [a.l2_eps is not None for a in attn] == [True, True, True, False]
-    assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["MLP", "Llama4MoeBlock"] * 2
+    assert [a.uses_rope for a in attn] == [True, False]
+    assert [a.temperature_tuned for a in attn] == [False, True]
+    assert [a.l2_eps is not None for a in attn] == [True, False]
+    assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["MLP", "Llama4MoeBlock"]
 
 
 def _edited_copy(tmp_path, folder, **changes):
@@ -83,7 +83,7 @@ def _edited_copy(tmp_path, folder, **changes):
     "arch,changes,field",
     [
         ("llama4", dict(hidden_act="gelu"), "hidden_act='gelu'"),
-        ("llama4", dict(layer_types=["sliding_attention"] * 4), "layer_types=\\['sliding_attention'\\]"),
+        ("llama4", dict(layer_types=["sliding_attention"] * 2), "layer_types=\\['sliding_attention'\\]"),
         ("gpt_oss", dict(layer_types=["chunked_attention", "full_attention"]), "layer_types="),
     ],
 )

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import machine_info, measure_ceilings, write_json  # noqa: E402
 
-from ringserve.attention import VarlenBatch, attention_rows, attention_with_lse  # noqa: E402
+from ringserve.attention import attention_rows  # noqa: E402
 from ringserve.config import AttentionWindow, EngineConfig  # noqa: E402
 from ringserve.engine.block_manager import BlockManager  # noqa: E402
 from ringserve.engine.engine import LLMEngine  # noqa: E402
@@ -168,61 +168,21 @@ def prefill_times(args, device, shape) -> list[dict]:
     return rows
 
 
-def ring_step_for(tokens: int, n: int, block: int) -> RingStep:
-    """A whole prompt's step over n ranks, placed by the engine's block manager and CP layout."""
-    manager = BlockManager(-(-tokens // block) * n, block, False, n)
+def ring_step_for(tokens: int, n: int, block: int, window: AttentionWindow) -> RingStep:
+    """A whole prompt's step over n ranks, placed by the engine's block manager and CP layout
+    (told the window's lookback, as the engine is for a model with local attention)."""
+    manager = BlockManager(-(-tokens // block) * n, block, False, n, lookback=window.lookback())
     seq = Sequence("0", [0] * tokens, SamplingParams())
     seq.row = 0
     assert manager.allocate(seq, tokens)
     return RingStep(manager.layout.step([seq], [tokens]), [tokens], n)
 
 
-def _runs(positions: torch.Tensor) -> list[tuple[int, int]]:
-    """Sorted positions -> (first, length) of each run of consecutive ones."""
-    breaks = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
-    starts = [0, *breaks]
-    ends = [*breaks, len(positions)]
-    return [(int(positions[a]), b - a) for a, b in zip(starts, ends)]
-
-
-def _local_chunked_batch(positions: torch.Tensor, device) -> VarlenBatch:
-    """A rank's own tokens against its own keys (a fresh prompt: the same positions), each
-    run of consecutive positions a causal_suffix sequence starting at its first position."""
-    runs = _runs(positions)
-    bounds = [0]
-    for _, length in runs:
-        bounds.append(bounds[-1] + length)
-    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-    longest = max(length for _, length in runs)
-    return VarlenBatch(
-        cu,
-        cu,
-        longest,
-        longest,
-        positions.to(device),
-        positions.to(device),
-        True,
-        bounds,
-        bounds,
-        positions,
-        positions,
-        k_offsets=[first for first, _ in runs],
-    )
-
-
-def _sees_any(q_pos: torch.Tensor, k_pos: torch.Tensor, window: AttentionWindow) -> bool:
-    """Whether any query sees any key: a key in [first_visible(p), p] for some query p."""
-    keys = torch.sort(k_pos).values
-    lo = torch.searchsorted(keys, window.first_visible(q_pos))
-    hi = torch.searchsorted(keys, q_pos, right=True)
-    return bool((hi > lo).any())
-
-
 def ring_model(args, device, shape, matmul_flops: float) -> dict:
     nh, nkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     n, tokens = args.ring_ranks, args.ring_tokens
     window = AttentionWindow(chunk=shape["attention_chunk_size"])
-    step = ring_step_for(tokens, n, args.block)
+    step = ring_step_for(tokens, n, args.block, window)
     g = torch.Generator(device=device).manual_seed(0)
 
     def rand(rows, heads):
@@ -231,7 +191,6 @@ def ring_model(args, device, shape, matmul_flops: float) -> dict:
     qs = [rand(step.num_queries(r), nh) for r in range(n)]
     ks = [rand(step.num_keys(r), nkv) for r in range(n)]
     vs = [rand(step.num_keys(r), nkv) for r in range(n)]
-    positions = [step.positions[step.owners == r] for r in range(n)]  # a fresh prompt: keys = queries
 
     def timed(fn):
         return time_s(fn, device, args.reps) * 1000
@@ -251,29 +210,21 @@ def ring_model(args, device, shape, matmul_flops: float) -> dict:
     kv_bytes = max(step.num_keys(r) for r in range(n)) * 2 * nkv * d * torch.finfo(args.dtype).bits // 8
     transfer_ms = kv_bytes / NVLINK_BYTES_PER_S * 1000
     full_layer_ms = sum(max(max(row), transfer_ms if j + 1 < n else 0.0) for j, row in enumerate(full_ms))
-    # Chunked layers: only the steps where some query sees some key run (no transfer otherwise).
+    # Chunked layers: as the engine's ring runs them, only the (query rank, key rank) pairs
+    # where some query sees some key; a ring distance with no such pair costs nothing.
+    work = step.pairs_with_work(window)  # [query rank, key rank]
     chunked_ms = [[0.0] * n for _ in range(n)]
-    visible_steps = 0
     for j in range(n):
         for r in range(n):
             s = (r - j) % n
-            if not _sees_any(positions[r], positions[s], window):
-                continue
-            visible_steps += 1
-            if s == r:
-                batch = _local_chunked_batch(positions[r], device)
+            if work[r, s]:
+                batch = step.varlen(r, s, device, window)
                 chunked_ms[j][r] = timed(
-                    lambda r=r, b=batch: attention_with_lse(qs[r], ks[r], vs[r], b, d**-0.5, window)
+                    lambda r=r, s=s, b=batch: attention_rows(qs[r], ks[s], vs[s], b, d**-0.5)
                 )
-            else:  # a chunk that spans two ranks' runs: the masked general path (an upper bound)
-                batch = step.varlen(r, s, device)
-                batch.k_positions = positions[s].to(device)
-                chunked_ms[j][r] = timed(
-                    lambda r=r, s=s, b=batch: attention_with_lse(qs[r], ks[s], vs[s], b, d**-0.5, window)
-                )
-    # A step's KV transfer is counted where some rank attends over the travelling keys.
+    visible_steps = int(work.sum())
     chunked_layer_ms = sum(
-        max(max(row), transfer_ms if 0 < j and any(row) else 0.0) for j, row in enumerate(chunked_ms)
+        max(max(row), transfer_ms if j > 0 and any(row) else 0.0) for j, row in enumerate(chunked_ms)
     )
     # Linear layers per token per layer: q, k, v, o projections, the shared expert, top-k experts.
     h, inter = shape["hidden_size"], shape["intermediate_size"]

@@ -70,19 +70,27 @@ class FusedExperts(nn.Module):
     def grouped_forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """x [N, H]: rows sorted by local expert, expert e's ending at ends[e] ([E] int32) -> [N, H]."""
         if x.is_cuda and x.dtype == torch.bfloat16 and grouped_mm_usable(x, self.down_proj.shape[1]):
-            h = torch._grouped_mm(x, self.gate_up_proj, offs=ends)  # [N, 2I]
-            expert_of_row = None
-            if self.gate_up_proj_bias is not None:
-                rows = torch.arange(x.shape[0], device=x.device, dtype=ends.dtype)
-                expert_of_row = torch.searchsorted(ends, rows, right=True)  # [N]
-                h = h + self.gate_up_proj_bias[expert_of_row]
-            out = torch._grouped_mm(self.activation(h), self.down_proj, offs=ends)
-            if expert_of_row is not None and self.adds_down_bias:
-                out = out + self.down_proj_bias[expert_of_row]
-            return out
+            return self.grouped_mm_forward(x, ends)
+        return self.loop_forward(x, ends)
+
+    def grouped_mm_forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """All experts in two grouped matmuls (bf16), reading the group ends on the device."""
+        h = torch._grouped_mm(x, self.gate_up_proj, offs=ends)  # [N, 2I]
+        expert_of_row = None
+        if self.gate_up_proj_bias is not None:
+            rows = torch.arange(x.shape[0], device=x.device, dtype=ends.dtype)
+            expert_of_row = torch.searchsorted(ends, rows, right=True)  # [N]
+            h = h + self.gate_up_proj_bias[expert_of_row]
+        out = torch._grouped_mm(self.activation(h), self.down_proj, offs=ends)
+        if expert_of_row is not None and self.adds_down_bias:
+            out = out + self.down_proj_bias[expert_of_row]
+        return out
+
+    def loop_forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Expert by expert (any device and dtype; on a GPU the ends are read on the host)."""
         out = torch.empty_like(x)
         start = 0
-        for e, end in enumerate(ends.tolist()):  # on a GPU a sync: this fallback is not the fast path
+        for e, end in enumerate(ends.tolist()):
             if end > start:
                 h = x[start:end] @ self.gate_up_proj[e]
                 if self.gate_up_proj_bias is not None:

@@ -91,3 +91,25 @@ def test_unknown_variants_are_refused_by_name(arch, changes, field, tmp_path, ti
     folder = _edited_copy(tmp_path, tiny_model_dir(arch), **changes)
     with pytest.raises(ModelLoadError, match=field):
         LLM(folder, device="cpu")
+
+
+@pytest.mark.parametrize("layout", ["fused_concat", "fused_interleaved"])
+def test_grouped_matmul_experts_equal_the_loop(layout):
+    """The GPU path of the fused experts (two grouped matmuls, biases picked per row by its
+    expert) against expert-by-expert matmuls, in bfloat16 on the CPU (which runs
+    torch._grouped_mm too): an expert with no rows, gpt-oss biases and clamped SwiGLU."""
+    from ringserve.fused_moe import FusedExperts
+
+    gpt_oss = layout == "fused_interleaved"
+    experts = FusedExperts(
+        4, 32, 16, gpt_oss, gpt_oss, (1.702, 1.0) if gpt_oss else None, adds_down_bias=True
+    )
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    experts = experts.to(torch.bfloat16)
+    x = torch.randn(11, 32, generator=g).to(torch.bfloat16)
+    ends = torch.tensor([3, 3, 7, 11], dtype=torch.int32)  # expert 1 has no rows
+    grouped, loop = experts.grouped_mm_forward(x, ends), experts.loop_forward(x, ends)
+    torch.testing.assert_close(grouped.float(), loop.float(), rtol=2e-2, atol=2e-2)

@@ -113,6 +113,9 @@ def plan_seen(q_bounds, k_bounds, seen_counts: list[torch.Tensor | None], first_
     if first_counts is not None and all(f is None or not bool(f.any()) for f in first_counts):
         first_counts = None  # every window reaches back to the sequence's first key here
     if first_counts is not None:
+        plan.decode = _decode_layout(q_bounds, k_bounds, seen_counts, first_counts)
+        if plan.decode is not None:  # decode under a window: each query's keys are a suffix
+            return plan
         for i, (n, f) in enumerate(zip(seen_counts, first_counts)):
             _plan_windowed(plan, n, f, q_bounds[i], k_bounds[i])
         return plan
@@ -128,17 +131,19 @@ def plan_seen(q_bounds, k_bounds, seen_counts: list[torch.Tensor | None], first_
     return plan
 
 
-def _decode_layout(q_bounds, k_bounds, seen_counts) -> DecodeLayout | None:
-    """The fused layout, if every sequence has at most one query and it sees all its keys."""
+def _decode_layout(q_bounds, k_bounds, seen_counts, first_counts=None) -> DecodeLayout | None:
+    """The fused layout, if every sequence has at most one query and it sees all its keys
+    (from its window's first, first_counts, on: a suffix of them)."""
     rows, k_starts, k_counts = [], [], []
     for i, n in enumerate(seen_counts):
         num_queries, num_keys = q_bounds[i + 1] - q_bounds[i], k_bounds[i + 1] - k_bounds[i]
         if num_queries > 1 or (num_queries == 1 and int(n[0]) != num_keys):
             return None
-        if num_queries == 1 and num_keys > 0:
+        first = int(first_counts[i][0]) if first_counts is not None and num_queries == 1 else 0
+        if num_queries == 1 and num_keys > first:
             rows.append(q_bounds[i])
-            k_starts.append(k_bounds[i])
-            k_counts.append(num_keys)
+            k_starts.append(k_bounds[i] + first)
+            k_counts.append(num_keys - first)
     if not rows:
         return None  # nothing to compute: the block plan marks every query unseen
     return DecodeLayout(None if len(rows) == q_bounds[-1] else rows, k_starts, k_counts, k_bounds[-1])

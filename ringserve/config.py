@@ -226,6 +226,12 @@ class ModelConfig:
         return any(not w.is_full for w in self.attention_windows)
 
     @property
+    def all_layers_local(self) -> bool:
+        """Whether every layer attends through a window (so no layer reads a sequence's
+        blocks before the longest lookback, and those can be released)."""
+        return bool(self.attention_windows) and all(not w.is_full for w in self.attention_windows)
+
+    @property
     def local_lookback(self) -> int | None:
         """The most keys before its own position a query of a windowed layer sees; None
         when every layer is full."""

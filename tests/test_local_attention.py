@@ -142,23 +142,27 @@ def _windowed_ring_rank(rank, world_size, algo, window):
         (got.double() - torch.cat(want)).abs().max().item(),
         (got_lse.double() - torch.cat(want_lse)).abs().max().item(),
     )
-    return err, ring.skipped_steps, ring.transfers
+    return err, ring.skipped_steps, ring.transfers, ring.sent_keys
 
 
-@pytest.mark.parametrize("algo", ["pass_kv", "pass_q"])
-@pytest.mark.parametrize("window", [AttentionWindow(sliding=5), AttentionWindow(chunk=8)], ids=str)
+@pytest.mark.parametrize(
+    "algo,window", [("pass_kv", AttentionWindow(sliding=5)), ("pass_q", AttentionWindow(chunk=8))], ids=str
+)
 def test_ring_skips_steps_outside_every_window(algo, window):
     """4 gloo ranks: the windowed ring equals the dense masked softmax, and ring steps
     between ranks whose keys no query sees are skipped (no attention call) with no
     transfer: with a window of 5 each zigzag chunk sees only the chunk before it (held by
-    a neighbour at ring distance 1 or 3), so distance 2 never runs; chunks of 8 do not
-    align with the zigzag chunks, so some spill over to a neighbour too."""
+    a neighbour at ring distance 1 or 3), so distance 2 never runs, and pass-KV sends just
+    the keys the receiver's windows reach; chunks of 8 do not align with the zigzag chunks,
+    so some spill over to a neighbour too."""
     from ringserve.parallel.local_world import run_local_world
 
     results = run_local_world(_windowed_ring_rank, 4, algo, window, timeout_s=60)
-    assert all(err < 1e-5 for err, _, _ in results), results
-    skipped = [s for _, s, _ in results]
-    transfers = [t for _, _, t in results]
+    assert all(err < 1e-5 for err, *_ in results), results
+    skipped = [s for _, s, _, _ in results]
+    transfers = [t for _, _, t, _ in results]
+    if algo == "pass_kv":  # each transfer: at most the window's reach of 2 chunks of 2 sequences
+        assert all(0 < k <= 2 * 2 * (window.sliding - 1) * t for _, _, t, k in results), results
     assert sum(skipped) >= 4, skipped  # every rank skips a step (distance 2 at least)
     assert max(transfers) <= 2, transfers  # never the 3 transfers of a full ring
 
@@ -224,3 +228,101 @@ def test_mistral_under_cp2_matches_transformers_and_skips_steps(algo, tiny_model
     layers, steps = 2, 1 + 20
     assert ran[algo] == layers * steps and ran[({"pass_kv", "pass_q"} - {algo}).pop()] == 0
     assert ran["skipped"] > 0
+
+
+def _held_blocks(engine) -> int:
+    manager = engine.block_manager
+    return sum(1 for count in manager.ref_count if count > 0)
+
+
+def test_windowed_sequence_holds_a_bounded_number_of_blocks(tiny_model_dir):
+    """Every layer of the tiny Mistral has a window of 8: with blocks of 4, a sequence of
+    90 tokens holds at most the blocks its next token's window reaches (3, plus the one
+    being filled), counted after every step, while its greedy tokens still equal
+    transformers'; two sequences run at once, so released blocks are reused meanwhile."""
+    from ringserve import LLM, SamplingParams
+
+    from conftest import hf_model
+    from helpers import hf_greedy
+
+    folder = tiny_model_dir("mistral")
+    prompts = [MISTRAL_TOKENS[:30], MISTRAL_TOKENS[30:40]]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, enable_prefix_caching=False) as llm:
+        engine = llm.engine
+        ids = [engine.add_request(p, params) for p in prompts]
+        tokens = {i: [] for i in ids}
+        most = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            if len(engine.scheduler.running) == 2:
+                most = max(most, _held_blocks(engine))
+        assert _held_blocks(engine) == 0
+    # two sequences of 90 / 70 tokens: 23 + 18 blocks without releasing
+    assert 0 < most <= 2 * (-(-(7 + 4) // 4) + 1), most
+    ref = hf_model(folder)
+    for prompt, i in zip(prompts, ids):
+        assert tokens[i] == hf_greedy(ref, prompt, 60)
+
+
+def test_windowed_chunked_prefill_and_prefix_hit_match_transformers(tiny_model_dir):
+    """Prefill in chunks of 5 tokens (chunks end across window and block boundaries), then a
+    second request sharing a 24-token prefix (longer than the window): the hit reuses the
+    cached blocks that are still held, and both continue as transformers does."""
+    from ringserve import LLM, SamplingParams
+
+    from conftest import hf_model
+    from helpers import hf_greedy
+
+    folder = tiny_model_dir("mistral")
+    first, second = MISTRAL_TOKENS[:33], MISTRAL_TOKENS[:24] + MISTRAL_TOKENS[40:50]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    ref = hf_model(folder)
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=5) as llm:
+        assert llm.generate([first], params)[0].token_ids == hf_greedy(ref, first, 20)
+        before = llm.engine.num_computed_tokens
+        out = llm.generate([second], params)[0]
+        assert out.token_ids == hf_greedy(ref, second, 20)
+        assert out.num_cached_tokens == 24
+        assert llm.engine.num_computed_tokens - before == len(second) - 24 + 19
+
+
+def test_release_frees_exactly_the_blocks_before_the_next_tokens_lookback():
+    """Lookback 7, blocks of 4: after 30 computed tokens the next token (position 30) sees
+    positions 23.., so blocks 0-4 (positions 0-19) are released and block 5 (20-23) kept;
+    a model with a full layer (release off) keeps them all; freeing skips released ones."""
+    from ringserve.engine.block_manager import RELEASED, BlockManager
+    from ringserve.engine.sequence import Sequence
+    from ringserve.sampling_params import SamplingParams
+
+    for release in (True, False):
+        manager = BlockManager(16, 4, enable_prefix_caching=False, lookback=7, release_outside_window=release)
+        seq = Sequence("a", list(range(30)), SamplingParams())
+        assert manager.allocate(seq, 30)
+        seq.num_computed_tokens = 30
+        manager.release_outside_window(seq)
+        if release:
+            assert seq.block_table[:5] == [RELEASED] * 5 and RELEASED not in seq.block_table[5:]
+            assert manager.num_free_blocks == 16 - 3
+        else:
+            assert RELEASED not in seq.block_table and manager.num_free_blocks == 16 - 8
+        manager.free(seq)
+        assert manager.num_free_blocks == 16
+
+
+def test_windowed_decode_under_cp_is_one_fused_call_over_each_windows_keys():
+    """A decode step of the ring (one query per sequence, after all its keys on this rank)
+    under a window: still the one fused varlen call, each sequence's keys starting at its
+    window (a suffix of them); a sequence whose window holds none of its keys here is left
+    out, and a prefill chunk takes the block plan."""
+    from ringserve.attention_plan import plan_seen
+
+    def t(*values):
+        return torch.tensor(values, dtype=torch.int64)
+
+    plan = plan_seen([0, 1, 2, 3], [0, 10, 14, 20], [t(10), t(4), t(6)], [t(6), t(0), t(6)])
+    layout = plan.decode
+    assert layout.rows == [0, 1] and layout.k_starts == [6, 10] and layout.k_counts == [4, 4]
+    chunk = plan_seen([0, 3], [0, 10], [t(8, 9, 10)], [t(2, 3, 4)])
+    assert chunk.decode is None and chunk.banded

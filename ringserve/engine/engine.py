@@ -207,7 +207,12 @@ class LLMEngine:
         self.cp_calibration = CPCalibration.load(self.device.type)
         num_blocks = self.executor.num_blocks * parallel.cp  # each CP rank has its own pool
         self.block_manager = BlockManager(
-            num_blocks, ec.block_size, ec.enable_prefix_caching, parallel.cp, config.local_lookback
+            num_blocks,
+            ec.block_size,
+            ec.enable_prefix_caching,
+            parallel.cp,
+            config.local_lookback,
+            release_outside_window=config.all_layers_local,
         )
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs)
         self.seqs: dict[str, Sequence] = {}
@@ -436,6 +441,7 @@ class LLMEngine:
                 continue
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
+            self.block_manager.release_outside_window(seq)
         for seq in launched.sampling:
             if not seq.finished:
                 seq.output_token_ids.append(PENDING_TOKEN)

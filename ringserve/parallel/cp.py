@@ -73,6 +73,7 @@ class RingStep:
         self._num_tokens = num_tokens
         self._skipped: dict[tuple[int, AttentionWindow], torch.Tensor] = {}
         self._work: dict[AttentionWindow, torch.Tensor] = {}
+        self._window_keys: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def num_queries(self, rank: int) -> int:
         return self._num_queries[rank]
@@ -132,18 +133,63 @@ class RingStep:
             self._work[window] = work
         return self._work[window]
 
+    def window_keys(
+        self, q_rank: int, k_rank: int, window: AttentionWindow
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sequence, the range lo .. hi - 1 of its keys on k_rank (counted in position
+        order) that some query of q_rank sees through the window: ([S], [S]) int64, lo == hi
+        where none does. All a windowed pass-KV step sends."""
+        key = (q_rank, k_rank, window)
+        if key in self._window_keys:
+            return self._window_keys[key]
+        mine = self.owners == q_rank
+        seq, seen = self.seq[mine], self._seen(k_rank)[mine]
+        first = self._before_window(k_rank, window)[mine]
+        sees = seen > first  # queries with at least one key here
+        num_seqs = self.keys.shape[1]
+        hi = torch.zeros(num_seqs, dtype=torch.int64).scatter_reduce(0, seq[sees], seen[sees], "amax")
+        lo = torch.full((num_seqs,), 1 << 62, dtype=torch.int64).scatter_reduce(
+            0, seq[sees], first[sees], "amin"
+        )
+        lo = torch.where(hi > 0, lo, 0)
+        self._window_keys[key] = lo, torch.maximum(hi, lo)
+        return self._window_keys[key]
+
+    def window_key_index(self, q_rank: int, k_rank: int, window: AttentionWindow) -> torch.Tensor:
+        """[K'] the rows of k_rank's packed keys (RingStep.keys per sequence) in window_keys."""
+        lo, hi = self.window_keys(q_rank, k_rank, window)
+        base = torch.cumsum(self.keys[k_rank], 0) - self.keys[k_rank]  # [S] each sequence's first row
+        counts = hi - lo
+        total = int(counts.sum())
+        starts = torch.repeat_interleave(base + lo, counts, output_size=total)
+        offsets = torch.arange(total) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts, output_size=total
+        )
+        self.host_elements += 3 * total
+        return starts + offsets
+
     def varlen(
-        self, q_rank: int, k_rank: int, device, window: AttentionWindow = FULL_ATTENTION
+        self,
+        q_rank: int,
+        k_rank: int,
+        device,
+        window: AttentionWindow = FULL_ATTENTION,
+        trimmed: bool = False,
     ) -> VarlenBatch:
         """Attention metadata of q_rank's queries against k_rank's keys: each query sees the
         keys of its sequence there up to its position (the cached ones and the new ones
         at or before it; keys are packed per sequence in position order), from the first
-        one its window sees."""
+        one its window sees. trimmed (a window): the keys are only those of window_keys."""
         mine = self.owners == q_rank
         seq = self.seq[mine]
         seen = self._seen(k_rank)[mine]
         first = None if window.is_full else self._before_window(k_rank, window)[mine]
         q_lens, k_lens = self.queries[q_rank], self.keys[k_rank]
+        if trimmed:
+            lo, hi = self.window_keys(q_rank, k_rank, window)
+            k_lens = hi - lo
+            seen = (seen - lo[seq]).clamp(min=0).minimum(k_lens[seq])
+            first = (first - lo[seq]).clamp(min=0).minimum(seen)
         cu_q = [0, *torch.cumsum(q_lens, 0).tolist()]
         cu_k = [0, *torch.cumsum(k_lens, 0).tolist()]
         q_positions = self.positions[mine]
@@ -197,6 +243,7 @@ class RingAttention:
         # it made, summed over layers (tests read them).
         self.skipped_steps = 0
         self.transfers = 0
+        self.sent_keys = 0  # pass-KV: keys sent (only those a window reaches)
 
     def _batch(self, q_rank: int, k_rank: int, window: AttentionWindow = FULL_ATTENTION) -> VarlenBatch:
         key = (q_rank, k_rank, window)
@@ -308,42 +355,56 @@ class RingAttention:
         work = self.step.pairs_with_work(window)  # [query rank, key rank]
         r, n = self.rank, self.size
         steps = self._steps_with_work(work, q_ahead=False)
-        mine = k_local.new_zeros(max(self.step.num_keys(x) for x in range(n)), 2, *k_local.shape[1:])
-        mine[: k_local.shape[0], 0] = k_local
-        mine[: k_local.shape[0], 1] = v_local
-        buffers = [torch.empty_like(mine), torch.empty_like(mine)] if steps else []
+        kv = torch.stack((k_local, v_local), 1)  # [K, 2, NKV, D]: K and V travel together
 
-        def start(i):
-            j = steps[i]
-            return self._start_direct(
-                j, mine, buffers[i % 2], bool(work[(r + j) % n, r]), bool(work[r, (r - j) % n])
-            )
+        def start(j):
+            """Send the rank j ahead just the keys its queries' windows reach; receive ours."""
+            ahead, behind = (r + j) % n, (r - j) % n
+            send = kv[self._window_rows(ahead, r, window)] if work[ahead, r] else kv[:0]
+            recv = kv.new_empty(self._window_size(r, behind, window), *kv.shape[1:])
+            self.sent_keys += send.shape[0]
+            return recv, self._start_direct(j, send, recv, bool(work[ahead, r]), bool(work[r, behind]))
 
         outs, lses, first_rows = [], [], []
 
-        def attend(src, kv):
+        def attend(src, keys, batch):
             if not work[r, src]:
                 self.skipped_steps += 1
                 return
-            keys = self.step.num_keys(src)
-            out, lse, first = attention_rows(
-                q, kv[:keys, 0], kv[:keys, 1], self._batch(r, src, window), self.scale
-            )
+            out, lse, first = attention_rows(q, keys[:, 0], keys[:, 1], batch, self.scale)
             outs.append(out)
             lses.append(lse)
             first_rows.append(first)
 
-        pending = start(0) if steps else []
-        attend(r, mine)
+        pending = start(steps[0]) if steps else None
+        attend(r, kv, self._batch(r, r, window))
         self.skipped_steps += n - 1 - len(steps)
         for i, j in enumerate(steps):
-            for request in pending:
+            recv, requests = pending
+            for request in requests:
                 request.wait()
-            pending = start(i + 1) if i + 1 < len(steps) else []
-            attend((r - j) % n, buffers[i % 2])
+            pending = start(steps[i + 1]) if i + 1 < len(steps) else None
+            src = (r - j) % n
+            attend(src, recv, self._trimmed_batch(r, src, window))
         if not outs:  # no query on this rank
             return torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"), device=q.device)
         return merge_partials(outs, lses, first_rows, q.shape[0], out_dtype=q.dtype)
+
+    def _window_rows(self, q_rank: int, k_rank: int, window: AttentionWindow) -> torch.Tensor:
+        key = ("rows", q_rank, k_rank, window)
+        if key not in self._batches:
+            self._batches[key] = self.step.window_key_index(q_rank, k_rank, window).to(self.device)
+        return self._batches[key]
+
+    def _window_size(self, q_rank: int, k_rank: int, window: AttentionWindow) -> int:
+        lo, hi = self.step.window_keys(q_rank, k_rank, window)
+        return int((hi - lo).sum())
+
+    def _trimmed_batch(self, q_rank: int, k_rank: int, window: AttentionWindow) -> VarlenBatch:
+        key = ("trimmed", q_rank, k_rank, window)
+        if key not in self._batches:
+            self._batches[key] = self.step.varlen(q_rank, k_rank, self.device, window, trimmed=True)
+        return self._batches[key]
 
     def _local_pass_q(self, q, k_local, v_local, window: AttentionWindow):
         work = self.step.pairs_with_work(window)  # [query rank, key rank]

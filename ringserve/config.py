@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ringserve.config_moe_families import FAMILY_FIELDS
+from ringserve.config_moe_families import MOE_FAMILY_FIELDS
 from ringserve.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = (
@@ -171,7 +171,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf, arch: str) -> ModelConfig:
-        family = FAMILY_FIELDS[arch](hf) if arch in FAMILY_FIELDS else {}
+        family = MOE_FAMILY_FIELDS[arch](hf) if arch in MOE_FAMILY_FIELDS else {}
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         eos = hf.eos_token_id

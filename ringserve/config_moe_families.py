@@ -79,4 +79,4 @@ def gpt_oss_fields(hf) -> dict:
     )
 
 
-FAMILY_FIELDS = {"Llama4ForCausalLM": llama4_text_fields, "GptOssForCausalLM": gpt_oss_fields}
+MOE_FAMILY_FIELDS = {"Llama4ForCausalLM": llama4_text_fields, "GptOssForCausalLM": gpt_oss_fields}

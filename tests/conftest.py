@@ -41,6 +41,19 @@ TINY = dict(
 ARCHITECTURES = ["llama", "mistral", "qwen3", "mixtral", "qwen3_moe", "llama4", "gpt_oss"]
 
 
+def llama3_rope() -> dict:
+    """Llama 3's RoPE scaling, with an original context of 64 so that the tiny prompts reach
+    past it."""
+    return {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+
+
 def make_hf_config(arch: str):
     import transformers as tf
 
@@ -48,14 +61,7 @@ def make_hf_config(arch: str):
         return tf.LlamaConfig(
             **TINY,
             tie_word_embeddings=True,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
+            rope_parameters=llama3_rope(),
         )
     if arch == "qwen3":
         # head_dim 32 with 4 heads: 128 wide attention on a 64 wide model
@@ -91,14 +97,7 @@ def make_hf_config(arch: str):
             attention_chunk_size=16,
             floor_scale=4,
             attn_scale=0.5,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
+            rope_parameters=llama3_rope(),
         )
     if arch == "gpt_oss":
         # Sliding (8 tokens) and full layers; a SwiGLU limit the activations reach; YaRN RoPE.

@@ -142,9 +142,9 @@ class RowParallelLinear(nn.Linear):
 
 
 def l2_norm_heads(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama 4's weightless RMS norm over each head's D, computed in float32."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    """Llama 4's weightless RMS norm over each head's D of x [T, heads, D], in float32 and
+    rounded to x's dtype (the fused RMSNorm with a weight of ones: no float32 copy of x)."""
+    return rms_norm(x, x.new_ones(x.shape[-1]), eps)
 
 
 class Attention(nn.Module):

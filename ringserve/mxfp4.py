@@ -16,19 +16,29 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 BLOCK_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16, rows_per_chunk: int = 1 << 20
+) -> torch.Tensor:
     """blocks [..., G, 16] uint8, scales [..., G] uint8 -> [..., G * 32] values in `dtype`.
 
-    Every value is an E2M1 number times a power of two, so bfloat16 holds it exactly.
+    Every value is an E2M1 number times a power of two, so bfloat16 holds it exactly. Done
+    rows_per_chunk groups at a time: the code indices of a whole layer's experts (gpt-oss-120b:
+    2 x 1.06 G of them) would not fit in memory at once.
     """
     if blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
     table = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [..., G, 16, 2]: low first
-    values = table[codes].flatten(-2)  # [..., G, 32]
-    exponents = scales.to(torch.int32) - 127
-    values = torch.ldexp(values, exponents.unsqueeze(-1).to(dtype))
-    return values.flatten(-2)
+    flat_blocks = blocks.reshape(-1, blocks.shape[-1])  # [rows, 16]: one group of 32 values each
+    flat_exponents = scales.reshape(-1, 1)
+    out = torch.empty(flat_blocks.shape[0], 2 * flat_blocks.shape[1], dtype=dtype, device=blocks.device)
+    for start in range(0, flat_blocks.shape[0], rows_per_chunk):
+        chunk = flat_blocks[start : start + rows_per_chunk]
+        part = out[start : start + rows_per_chunk]
+        part[:, 0::2] = table[(chunk & 0x0F).long()]  # the low nibble is the even value
+        part[:, 1::2] = table[(chunk >> 4).long()]
+        exponents = flat_exponents[start : start + rows_per_chunk].to(torch.int32) - 127
+        torch.ldexp(part, exponents, out=part)
+    return out.reshape(*scales.shape[:-1], -1)
 
 
 def pair_quantized(tensors):

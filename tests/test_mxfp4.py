@@ -35,15 +35,17 @@ def test_dequantisation_equals_transformers():
     g = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 5, 4, 16), dtype=torch.uint8, generator=g)  # [E, R, G, 16]
     scales = torch.randint(110, 140, (3, 5, 4), dtype=torch.uint8, generator=g)
+    # In chunks first: a result left in freed memory by an earlier call cannot fill its rows.
+    chunked = dequantize_mxfp4(blocks, scales, rows_per_chunk=7).transpose(1, 2)  # 60 groups, 9 chunks
     theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)  # [E, G * 32, R]
     ours = dequantize_mxfp4(blocks, scales).transpose(1, 2)
     assert ours.dtype == theirs.dtype and ours.shape == theirs.shape == (3, 128, 5)
-    assert torch.equal(ours, theirs)
-    # Every code and the scale bias: code 9 is -0.5, scale 128 is 2**1.
-    one = dequantize_mxfp4(
-        torch.tensor([[0x79] + [0] * 15], dtype=torch.uint8), torch.tensor([128], dtype=torch.uint8)
-    )
-    assert one[:2].tolist() == [-1.0, 12.0]
+    assert torch.equal(ours, theirs) and torch.equal(chunked, theirs)
+    # The nibble order and the scale bias: byte 0x79 holds codes 9 (-0.5) then 7 (6.0); scale
+    # 128 is 2**1, scale 124 is 2**-3.
+    blocks = torch.tensor([[0x79] + [0] * 15, [0x02] + [0] * 15], dtype=torch.uint8)
+    two = dequantize_mxfp4(blocks, torch.tensor([128, 124], dtype=torch.uint8))
+    assert two[:2].tolist() == [-1.0, 12.0] and two[32:34].tolist() == [0.125, 0.0]
 
 
 @pytest.fixture(scope="module")

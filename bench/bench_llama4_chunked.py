@@ -137,7 +137,8 @@ def prefill_times(args, device, shape) -> list[dict]:
         )
     weights = hf.state_dict()
     params = sum(p.numel() for p in hf.parameters())
-    print(f"Llama 4 text, Scout attention shapes, {args.layers} layers: {params / 1e9:.2f} B parameters")
+    shapes = "tiny" if args.tiny else "Scout's attention"
+    print(f"Llama 4 text, {shapes} shapes, {args.layers} layers: {params / 1e9:.2f} B parameters")
     rows = []
     for chunked in (True, False):
         config = EngineConfig(

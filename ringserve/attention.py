@@ -141,7 +141,7 @@ def _planned(q, k, v, plan: AttentionPlan, batch: VarlenBatch, scale: float):
         q0, q1 = group[0].q0, group[0].q1
         out[q0:q1], lse[q0:q1] = _attend_group(q, k, v, group, scale)
     for q0, q1, k0, k1, visible in plan.banded:  # a window's band: one masked tile
-        out[q0:q1], lse[q0:q1] = masked_block(q[q0:q1], k[k0:k1], v[k0:k1], visible.to(q.device), scale)
+        out[q0:q1], lse[q0:q1] = masked_block(q[q0:q1], k[k0:k1], v[k0:k1], visible, scale)
     for q0, q1, k0, k1 in plan.masked:  # keys out of order: the explicit mask
         sub = VarlenBatch(
             torch.tensor([0, q1 - q0]),

@@ -18,6 +18,10 @@ later chunks one unmasked block for the late chunk's queries.
 
 A batch where every sequence has at most one query and sees all its keys (a decode step
 of the ring) is planned as one fused varlen call instead.
+
+Under a window (sliding, chunked) a query sees keys f[t] .. n[t] - 1: runs where f stays
+put are the shapes above shifted by f; where f moves with almost every query (a sliding
+band) the run is cut into tiles, each one masked call over just the keys the tile sees.
 """
 
 from __future__ import annotations

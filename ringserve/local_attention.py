@@ -94,11 +94,13 @@ def _sliding_tiles(q, k, v, q_bounds, k_bounds, offsets, scale: float, window: A
 
 
 def masked_block(q, k, v, visible: torch.Tensor, scale: float):
-    """q [Lq, NH, D] against k/v [Lk, NKV, D] where visible [Lq, Lk] says which keys each
-    query sees -> (out, lse [Lq, NH] float32); a query that sees none gets 0 and -inf."""
-    out, lse = _masked_block(q, k, v, visible, scale)
+    """q [Lq, NH, D] against k/v [Lk, NKV, D] where visible [Lq, Lk] (bool, on any device:
+    a host mask is copied without a sync) says which keys each query sees -> (out, lse
+    [Lq, NH] float32); a query that sees none gets 0 and -inf."""
     unseen = ~visible.any(1)
-    if bool(unseen.any()):
+    out, lse = _masked_block(q, k, v, visible.to(q.device, non_blocking=True), scale)
+    if bool(unseen.any()):  # no sync when the mask is on the host
+        unseen = unseen.to(q.device, non_blocking=True)
         out[unseen], lse[unseen] = 0, float("-inf")
     return out, lse
 

@@ -130,7 +130,8 @@ def _windowed_ring_rank(rank, world_size, algo, window):
     k = torch.cat([x[p[rank]] for x, p in zip(ks, key_positions)])
     v = torch.cat([x[p[rank]] for x, p in zip(vs, key_positions)])
     ring = RingAttention(dist.group.WORLD, step, algo, dim**-0.5, "cpu")
-    got, got_lse = ring(q, k, v, window)
+    rows = ring.local_key_rows(window)  # the keys some query sees, as the engine gathers them
+    got, got_lse = ring(q, k[rows], v[rows], window)
     want, want_lse = [], []
     for x, kk, vv, p, total in zip(qs, ks, vs, q_positions, totals):
         out, lse = dense_reference(
@@ -142,7 +143,7 @@ def _windowed_ring_rank(rank, world_size, algo, window):
         (got.double() - torch.cat(want)).abs().max().item(),
         (got_lse.double() - torch.cat(want_lse)).abs().max().item(),
     )
-    return err, ring.skipped_steps, ring.transfers, ring.sent_keys
+    return err, ring.skipped_steps, ring.transfers, ring.sent_keys, len(rows)
 
 
 @pytest.mark.parametrize(
@@ -159,10 +160,13 @@ def test_ring_skips_steps_outside_every_window(algo, window):
 
     results = run_local_world(_windowed_ring_rank, 4, algo, window, timeout_s=60)
     assert all(err < 1e-5 for err, *_ in results), results
-    skipped = [s for _, s, _, _ in results]
-    transfers = [t for _, _, t, _ in results]
+    skipped = [s for _, s, *_ in results]
+    transfers = [t for _, _, t, *_ in results]
+    # Keys gathered: every key of the fresh prompt, and of the other only those from the
+    # first one its new tokens (positions 22..51) see on.
+    assert sum(r[-1] for r in results) == 200 + 52 - window.first_visible(22), results
     if algo == "pass_kv":  # each transfer: at most the window's reach of 2 chunks of 2 sequences
-        assert all(0 < k <= 2 * 2 * (window.sliding - 1) * t for _, _, t, k in results), results
+        assert all(0 < k <= 2 * 2 * (window.sliding - 1) * t for _, _, t, k, _ in results), results
     assert sum(skipped) >= 4, skipped  # every rank skips a step (distance 2 at least)
     assert max(transfers) <= 2, transfers  # never the 3 transfers of a full ring
 
@@ -235,11 +239,30 @@ def _held_blocks(engine) -> int:
     return sum(1 for count in manager.ref_count if count > 0)
 
 
+def _generate_counting_blocks(engine, prompts, params):
+    """Run the prompts together: (each one's tokens, the most blocks held while all ran)."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens = {i: [] for i in ids}
+    most = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        if len(engine.scheduler.running) == len(prompts):
+            most = max(most, _held_blocks(engine))
+    assert _held_blocks(engine) == 0
+    return [tokens[i] for i in ids], most
+
+
+# With a window of 8 (lookback 7) and blocks of 4, a sequence holds the blocks of its next
+# token's lookback (3) and the one being filled; at most 2 more while a step's tokens land.
+WINDOW_BLOCKS = -(-(7 + 4) // 4) + 1
+
+
 def test_windowed_sequence_holds_a_bounded_number_of_blocks(tiny_model_dir):
-    """Every layer of the tiny Mistral has a window of 8: with blocks of 4, a sequence of
-    90 tokens holds at most the blocks its next token's window reaches (3, plus the one
-    being filled), counted after every step, while its greedy tokens still equal
-    transformers'; two sequences run at once, so released blocks are reused meanwhile."""
+    """Every layer of the tiny Mistral has a window of 8: with blocks of 4, two sequences
+    of 90 and 70 tokens (23 + 18 blocks without releasing) hold at most their windows'
+    blocks, counted after every step, while their greedy tokens still equal
+    transformers'; they run at once, so released blocks are reused meanwhile."""
     from ringserve import LLM, SamplingParams
 
     from conftest import hf_model
@@ -249,21 +272,11 @@ def test_windowed_sequence_holds_a_bounded_number_of_blocks(tiny_model_dir):
     prompts = [MISTRAL_TOKENS[:30], MISTRAL_TOKENS[30:40]]
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     with LLM(folder, device="cpu", dtype="float32", block_size=4, enable_prefix_caching=False) as llm:
-        engine = llm.engine
-        ids = [engine.add_request(p, params) for p in prompts]
-        tokens = {i: [] for i in ids}
-        most = 0
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-            if len(engine.scheduler.running) == 2:
-                most = max(most, _held_blocks(engine))
-        assert _held_blocks(engine) == 0
-    # two sequences of 90 / 70 tokens: 23 + 18 blocks without releasing
-    assert 0 < most <= 2 * (-(-(7 + 4) // 4) + 1), most
+        tokens, most = _generate_counting_blocks(llm.engine, prompts, params)
+    assert 0 < most <= 2 * WINDOW_BLOCKS, most
     ref = hf_model(folder)
-    for prompt, i in zip(prompts, ids):
-        assert tokens[i] == hf_greedy(ref, prompt, 60)
+    for prompt, got in zip(prompts, tokens):
+        assert got == hf_greedy(ref, prompt, 60)
 
 
 def test_windowed_chunked_prefill_and_prefix_hit_match_transformers(tiny_model_dir):
@@ -326,3 +339,77 @@ def test_windowed_decode_under_cp_is_one_fused_call_over_each_windows_keys():
     assert layout.rows == [0, 1] and layout.k_starts == [6, 10] and layout.k_counts == [4, 4]
     chunk = plan_seen([0, 3], [0, 10], [t(8, 9, 10)], [t(2, 3, 4)])
     assert chunk.decode is None and chunk.banded
+
+
+def test_mistral_under_cp2_releases_blocks_and_generates_as_transformers(tiny_model_dir):
+    """cp=2 (auto ring), blocks of 4: two sequences generate together while each releases
+    the blocks behind its window on both ranks (and the other takes them): the blocks held
+    stay bounded and the greedy tokens equal transformers'."""
+    from ringserve import LLM, SamplingParams
+
+    from conftest import hf_model
+    from helpers import hf_greedy
+
+    folder = tiny_model_dir("mistral")
+    prompts = [MISTRAL_TOKENS[:30], MISTRAL_TOKENS[30:41]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, cp=2, timeout_s=60) as llm:
+        tokens, most = _generate_counting_blocks(llm.engine, prompts, params)
+    assert 0 < most <= 2 * WINDOW_BLOCKS, most
+    ref = hf_model(folder)
+    for prompt, got in zip(prompts, tokens):
+        assert got == hf_greedy(ref, prompt, 24)
+
+
+def test_windows_come_from_the_transformers_config():
+    """layer_types where the config has it (Gemma 3, gpt-oss, Llama 4 text), sliding_window
+    on every layer otherwise (Mistral; null: full); an unknown layer type is refused by name."""
+    import transformers as tf
+
+    from ringserve.config import attention_windows_from_hf
+    from ringserve.errors import ModelLoadError
+
+    full, sliding = AttentionWindow(), AttentionWindow(sliding=128)
+    oss = tf.GptOssConfig(num_hidden_layers=4, sliding_window=128)
+    assert attention_windows_from_hf(oss, 4) == (sliding, full, sliding, full)
+    llama4 = tf.Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=16)
+    assert attention_windows_from_hf(llama4, 4) == (AttentionWindow(chunk=16),) * 3 + (full,)
+    mistral = tf.MistralConfig(num_hidden_layers=2, sliding_window=8)
+    assert attention_windows_from_hf(mistral, 2) == (AttentionWindow(sliding=8),) * 2
+    assert (
+        attention_windows_from_hf(tf.MistralConfig(num_hidden_layers=2, sliding_window=None), 2)
+        == (full,) * 2
+    )
+    oss.layer_types = ["sliding_attention", "linear_attention", "full_attention", "full_attention"]
+    with pytest.raises(ModelLoadError, match="linear_attention"):
+        attention_windows_from_hf(oss, 4)
+    window = AttentionWindow(sliding=5, chunk=8)
+    assert window.first_visible(20) == 16 and window.first_visible(13) == 9 and window.lookback() == 4
+    assert window.first_visible(torch.tensor([0, 20])).tolist() == [0, 16]
+
+
+@pytest.mark.parametrize("window", [AttentionWindow(sliding=5), AttentionWindow(chunk=8)], ids=str)
+def test_windowed_ring_plans_equal_the_masked_math(window):
+    """Every (query rank, key rank) batch of a 4-rank windowed ring step, planned as the GPU
+    runs it (shifted blocks, masked band tiles, unseen rows), against the count-masked math
+    path; full and trimmed (what a pass-KV step receives) key sets."""
+    from ringserve.attention import _math_varlen, _planned
+
+    from helpers import ring_step
+
+    step, _, _ = ring_step([0, 22], [200, 52], 4, 4, window.lookback())
+    g = torch.Generator().manual_seed(2)
+    planned_kinds = set()
+    for q_rank in range(4):
+        for k_rank in range(4):
+            for trimmed in (False, True):
+                batch = step.varlen(q_rank, k_rank, "cpu", window, trimmed=trimmed)
+                q = torch.randn(batch.q_bounds[-1], 4, 8, generator=g)
+                k, v = (torch.randn(batch.k_bounds[-1], 2, 8, generator=g) for _ in range(2))
+                plan = batch.plan()
+                planned_kinds |= {kind for kind in ("groups", "banded", "unseen") if getattr(plan, kind)}
+                out, lse = _planned(q, k, v, plan, batch, 8**-0.5)
+                ref_out, ref_lse = _math_varlen(q, k, v, batch, 8**-0.5)
+                torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    assert planned_kinds == {"groups", "banded", "unseen"} or window.chunk, planned_kinds

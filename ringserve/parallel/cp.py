@@ -12,6 +12,9 @@ it lies, by one of two rings:
 - pass-Q: queries (with positions and sequences) travel; each rank attends them to its own
   KV; the partial outputs and LSEs go home in one all-to-all and are merged there.
 
+Layers with a window (sliding, chunked) run only the ring steps whose pair of ranks shares
+a visible key, each block sent straight from its owner (see RingAttention._local_pass_kv).
+
 All ranks derive the same RingStep from the step's CPStep (every rank's new tokens, and
 how many keys each rank holds of each sequence), so no sizes are exchanged, and every
 message of a ring is padded to the largest rank's.
@@ -121,6 +124,32 @@ class RingStep:
             self._skipped[key] = skipped
         return self._skipped[key]
 
+    def _window_counts(self, k_rank: int, window: AttentionWindow):
+        """A windowed layer gathers only the keys on k_rank that some query of the step sees:
+        per sequence, from the first such key (offset [S]) on. -> (seen [T], first [T],
+        keys [S], offset [S]), the counts of _seen / _before_window taken from there."""
+        key = ("counts", k_rank, window)
+        if key not in self._window_keys:
+            seen, first = self._seen(k_rank), self._before_window(k_rank, window)
+            sees = seen > first
+            held = self.keys[k_rank]
+            offset = held.clone().scatter_reduce(0, self.seq[sees], first[sees], "amin")
+            at = offset[self.seq]
+            self._window_keys[key] = (
+                (seen - at).clamp(min=0),
+                (first - at).clamp(min=0),
+                held - offset,
+                offset,
+            )
+        return self._window_keys[key]
+
+    def local_key_rows(self, k_rank: int, window: AttentionWindow) -> torch.Tensor:
+        """[K'] the rows of k_rank's packed keys (all it holds of each sequence) that a
+        windowed layer gathers: each sequence's keys from the first one any query sees."""
+        _, _, counts, offset = self._window_counts(k_rank, window)
+        held = self.keys[k_rank]
+        return _ranges(torch.cumsum(held, 0) - held + offset, counts)
+
     def pairs_with_work(self, window: AttentionWindow) -> torch.Tensor:
         """[N, N] bool: whether any query of rank q sees any key of rank k (a ring step
         between them that does nothing is skipped: no attention call, no transfer)."""
@@ -136,15 +165,15 @@ class RingStep:
     def window_keys(
         self, q_rank: int, k_rank: int, window: AttentionWindow
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per sequence, the range lo .. hi - 1 of its keys on k_rank (counted in position
-        order) that some query of q_rank sees through the window: ([S], [S]) int64, lo == hi
+        """Per sequence, the range lo .. hi - 1 of the keys a windowed layer gathers on
+        k_rank (local_key_rows) that some query of q_rank sees: ([S], [S]) int64, lo == hi
         where none does. All a windowed pass-KV step sends."""
         key = (q_rank, k_rank, window)
         if key in self._window_keys:
             return self._window_keys[key]
         mine = self.owners == q_rank
-        seq, seen = self.seq[mine], self._seen(k_rank)[mine]
-        first = self._before_window(k_rank, window)[mine]
+        seen, first, _, _ = self._window_counts(k_rank, window)
+        seq, seen, first = self.seq[mine], seen[mine], first[mine]
         sees = seen > first  # queries with at least one key here
         num_seqs = self.keys.shape[1]
         hi = torch.zeros(num_seqs, dtype=torch.int64).scatter_reduce(0, seq[sees], seen[sees], "amax")
@@ -156,17 +185,11 @@ class RingStep:
         return self._window_keys[key]
 
     def window_key_index(self, q_rank: int, k_rank: int, window: AttentionWindow) -> torch.Tensor:
-        """[K'] the rows of k_rank's packed keys (RingStep.keys per sequence) in window_keys."""
+        """[K'] the rows of the keys k_rank gathers (local_key_rows) in window_keys."""
         lo, hi = self.window_keys(q_rank, k_rank, window)
-        base = torch.cumsum(self.keys[k_rank], 0) - self.keys[k_rank]  # [S] each sequence's first row
-        counts = hi - lo
-        total = int(counts.sum())
-        starts = torch.repeat_interleave(base + lo, counts, output_size=total)
-        offsets = torch.arange(total) - torch.repeat_interleave(
-            torch.cumsum(counts, 0) - counts, counts, output_size=total
-        )
-        self.host_elements += 3 * total
-        return starts + offsets
+        counts = self._window_counts(k_rank, window)[2]
+        self.host_elements += 3 * int((hi - lo).sum())
+        return _ranges(torch.cumsum(counts, 0) - counts + lo, hi - lo)
 
     def varlen(
         self,
@@ -179,12 +202,16 @@ class RingStep:
         """Attention metadata of q_rank's queries against k_rank's keys: each query sees the
         keys of its sequence there up to its position (the cached ones and the new ones
         at or before it; keys are packed per sequence in position order), from the first
-        one its window sees. trimmed (a window): the keys are only those of window_keys."""
+        one its window sees: under a window, among the keys local_key_rows gathers, or
+        (trimmed) only those of window_keys."""
         mine = self.owners == q_rank
         seq = self.seq[mine]
-        seen = self._seen(k_rank)[mine]
-        first = None if window.is_full else self._before_window(k_rank, window)[mine]
         q_lens, k_lens = self.queries[q_rank], self.keys[k_rank]
+        if window.is_full:
+            seen, first = self._seen(k_rank)[mine], None
+        else:  # counted among the keys the layer gathers (local_key_rows)
+            seen, first, k_lens, _ = self._window_counts(k_rank, window)
+            seen, first = seen[mine], first[mine]
         if trimmed:
             lo, hi = self.window_keys(q_rank, k_rank, window)
             k_lens = hi - lo
@@ -213,6 +240,14 @@ class RingStep:
             first_keys=None if first is None else to_device(first),
             first_keys_host=first,
         )
+
+
+def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """starts[i] .. starts[i] + counts[i] - 1 for every i, concatenated ([sum(counts)] int64)."""
+    total = int(counts.sum())
+    first = torch.repeat_interleave(starts, counts, output_size=total)
+    done = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts, output_size=total)
+    return first + torch.arange(total) - done
 
 
 class RingAttention:
@@ -259,7 +294,8 @@ class RingAttention:
         ]
 
     def __call__(self, q, k_local, v_local, window: AttentionWindow = FULL_ATTENTION):
-        """q [Tq, NH, D]: this rank's new tokens; k/v_local [Tk, NKV, D]: all keys it holds
+        """q [Tq, NH, D]: this rank's new tokens; k/v_local [Tk, NKV, D]: the keys it holds
+        (all of them; under a window, the rows local_key_rows picks)
         -> (out [Tq, NH, D], lse [Tq, NH] float32) over every rank's keys."""
         if self.algo == "pass_kv":
             return self._pass_kv(q, k_local, v_local, window)
@@ -389,6 +425,16 @@ class RingAttention:
         if not outs:  # no query on this rank
             return torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"), device=q.device)
         return merge_partials(outs, lses, first_rows, q.shape[0], out_dtype=q.dtype)
+
+    def local_key_rows(self, window: AttentionWindow) -> torch.Tensor | None:
+        """Rows of this rank's keys (all it holds of the step's sequences, per sequence in
+        position order) a layer with this window attends to, on the device; None: all."""
+        if window.is_full:
+            return None
+        key = ("local", window)
+        if key not in self._batches:
+            self._batches[key] = self.step.local_key_rows(self.rank, window).to(self.device)
+        return self._batches[key]
 
     def _window_rows(self, q_rank: int, k_rank: int, window: AttentionWindow) -> torch.Tensor:
         key = ("rows", q_rank, k_rank, window)

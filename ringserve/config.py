@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ringserve.config_moe_families import MOE_FAMILY_FIELDS
+from ringserve.config_moe_families import MOE_FAMILY_FIELDS, TEXT_MODEL_OF
 from ringserve.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = (
@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
     "Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration",  # its text model (Llama 4 Scout / Maverick as published)
     "GptOssForCausalLM",
 )
 
@@ -167,6 +168,11 @@ class ModelConfig:
         from transformers import AutoConfig  # slow import: only when a model is loaded
 
         hf = AutoConfig.from_pretrained(folder)
+        if arch in TEXT_MODEL_OF:  # a multimodal checkpoint: ringserve runs its text model
+            config = cls.from_hf(hf.text_config, TEXT_MODEL_OF[arch])
+            if _declared_dtype(hf.text_config) is None:  # the whole model's, then
+                config.dtype = _declared_dtype(hf) or config.dtype
+            return config
         return cls.from_hf(hf, arch)
 
     @classmethod
@@ -181,9 +187,7 @@ class ModelConfig:
             num_experts = hf.num_local_experts
         elif arch == "Qwen3MoeForCausalLM":
             num_experts = getattr(hf, "num_experts", None) or hf.num_local_experts
-        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
+        dtype = _declared_dtype(hf) or torch.float32
         fields = dict(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -249,6 +253,12 @@ class ModelConfig:
         if self.moe_layers is not None:
             return layer in self.moe_layers
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+def _declared_dtype(hf) -> torch.dtype | None:
+    """The dtype a transformers config declares for its weights, if any."""
+    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 @dataclass(frozen=True)

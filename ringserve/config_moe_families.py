@@ -79,4 +79,8 @@ def gpt_oss_fields(hf) -> dict:
     )
 
 
+# Multimodal architectures whose text model ringserve runs (text_config, the language_model.*
+# tensors; the vision tower's are not read).
+TEXT_MODEL_OF = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
+
 MOE_FAMILY_FIELDS = {"Llama4ForCausalLM": llama4_text_fields, "GptOssForCausalLM": gpt_oss_fields}

@@ -38,12 +38,13 @@ _EXPERT_PATTERNS = [
 ]
 _RENAMES = [
     (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
+    (re.compile(r"^language_model\."), ""),  # Llama 4 as published (multimodal): its text model
     (re.compile(r"\.feed_forward\."), ".mlp."),  # Llama 4
 ]
 # q and k rows, which RoPE rotates.
 _ROTATED = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
-# Tensors some checkpoints carry that the model recomputes.
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# Tensors some checkpoints carry that the model recomputes, or does not run (a vision tower).
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$|^(vision_model|multi_modal_projector)\.")
 
 
 def checkpoint_param_name(name: str) -> tuple[str, int | None]:

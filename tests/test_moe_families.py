@@ -113,3 +113,49 @@ def test_grouped_matmul_experts_equal_the_loop(layout):
     ends = torch.tensor([3, 3, 7, 11], dtype=torch.int32)  # expert 1 has no rows
     grouped, loop = experts.grouped_mm_forward(x, ends), experts.loop_forward(x, ends)
     torch.testing.assert_close(grouped.float(), loop.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_llama4_as_published_runs_its_text_model(tmp_path, caplog):
+    """Llama 4 Scout / Maverick are published as Llama4ForConditionalGeneration: ringserve
+    reads text_config and the language_model.* tensors (the vision tower's are not read), with
+    logits as transformers' on a text prompt."""
+    import transformers as tf
+
+    from ringserve.config import ModelConfig
+
+    from conftest import make_hf_config
+
+    vision = dict(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=32,
+        patch_size=16,
+        vision_output_dim=32,
+        projector_input_dim=32,
+        projector_output_dim=32,
+    )
+    text = make_hf_config("llama4").to_dict()
+    torch.manual_seed(0)
+    model = tf.Llama4ForConditionalGeneration(tf.Llama4Config(text_config=text, vision_config=vision))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(tmp_path)
+    tokens = _prompt(40)
+    with torch.no_grad():
+        ref = model.eval()(input_ids=torch.tensor([tokens])).logits[0]
+    with caplog.at_level("WARNING", logger="ringserve.weights"):
+        engine = LLMEngine(str(tmp_path), device="cpu", dtype="float32")
+    # The vision tower is skipped by design, not warned about tensor by tensor.
+    assert not [r for r in caplog.records if r.name == "ringserve.weights"]
+    assert engine.model_config.architecture == "Llama4ForCausalLM"
+    torch.testing.assert_close(engine_logits(engine, tokens, prefill=30), ref, rtol=1e-4, atol=1e-4)
+    # The text config declares no dtype of its own: the whole model's applies.
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    config["text_config"].pop("dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert ModelConfig.from_pretrained(str(tmp_path)).dtype == torch.bfloat16

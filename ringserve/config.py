@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ringserve.config_dense_families import FAMILY_FIELDS
+from ringserve.config_dense_families import DENSE_FAMILY_FIELDS
+from ringserve.config_moe_families import MOE_FAMILY_FIELDS, TEXT_MODEL_OF
 from ringserve.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = (
@@ -19,7 +20,12 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "Qwen2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration",  # its text model (Llama 4 Scout / Maverick as published)
+    "GptOssForCausalLM",
 )
+# What each family sets beyond the Llama shape (config_dense_families / config_moe_families).
+FAMILY_FIELDS = {**DENSE_FAMILY_FIELDS, **MOE_FAMILY_FIELDS}
 # The MLP activations the model implements (HF's ACT2FN names), applied to gate_proj's output.
 MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -131,6 +137,26 @@ class ModelConfig:
     norm_topk_prob: bool = True
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
+    moe_layers: tuple[int, ...] | None = None  # Llama 4: the MoE layers, when listed
+    # How the router weighs the experts: "softmax" (softmax over all, top-k, optional
+    # renormalisation), "sigmoid_scaled_input" (Llama 4: top-k logits, sigmoid, the expert's
+    # input scaled by it), "topk_softmax" (gpt-oss: softmax over the top-k logits).
+    moe_router: str = "softmax"
+    # How expert weights are stored: "per_expert" (one tensor per expert and projection),
+    # "fused_concat" (Llama 4: gate_up_proj [E, H, 2I], gate then up) or "fused_interleaved"
+    # (gpt-oss: gate and up columns alternate).
+    experts_layout: str = "per_expert"
+    experts_bias: bool = False  # gpt-oss: biases on gate_up_proj and down_proj
+    swiglu: tuple[float, float] | None = None  # gpt-oss: clamped SwiGLU (alpha, limit)
+    shared_expert_intermediate_size: int = 0  # Llama 4: a dense expert every token runs
+    # Attention variants (Llama 4, gpt-oss)
+    o_proj_bias: bool = False
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax
+    nope_layers: tuple[int, ...] = ()  # Llama 4: layers without RoPE
+    rope_interleaved: bool = False  # Llama 4: RoPE rotates pairs (2i, 2i + 1) of each head
+    qk_l2_norm: bool = False  # Llama 4: weightless RMS norm of q and k heads after RoPE
+    # Llama 4 NoPE layers: q scaled by 1 + attn_scale * log1p(floor((p + 1) / floor_scale))
+    attn_temperature: tuple[float, float] | None = None  # (floor_scale, attn_scale)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     dtype: torch.dtype = torch.float32
@@ -160,6 +186,11 @@ class ModelConfig:
         from transformers import AutoConfig  # slow import: only when a model is loaded
 
         hf = AutoConfig.from_pretrained(folder)
+        if arch in TEXT_MODEL_OF:  # a multimodal checkpoint: ringserve runs its text model
+            config = cls.from_hf(hf.text_config, TEXT_MODEL_OF[arch])
+            if _declared_dtype(hf.text_config) is None:  # the whole model's, then
+                config.dtype = _declared_dtype(hf) or config.dtype
+            return config
         return cls.from_hf(hf.get_text_config(), arch)
 
     @classmethod
@@ -174,9 +205,7 @@ class ModelConfig:
             num_experts = hf.num_local_experts
         elif arch == "Qwen3MoeForCausalLM":
             num_experts = getattr(hf, "num_experts", None) or hf.num_local_experts
-        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
+        dtype = _declared_dtype(hf) or torch.float32
         fields = dict(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -250,9 +279,17 @@ class ModelConfig:
 
     def layer_is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` uses the MoE block (Qwen3-MoE keeps some dense)."""
-        return (
-            self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
-        )
+        if not self.is_moe:
+            return False
+        if self.moe_layers is not None:
+            return layer in self.moe_layers
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+def _declared_dtype(hf) -> torch.dtype | None:
+    """The dtype a transformers config declares for its weights, if any."""
+    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def _refuse_unsupported(config: ModelConfig, hf) -> None:

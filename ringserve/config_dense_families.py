@@ -31,7 +31,7 @@ def gemma3_fields(hf) -> dict:
     )
 
 
-FAMILY_FIELDS = {
+DENSE_FAMILY_FIELDS = {
     "Qwen2ForCausalLM": qwen2_fields,
     "Gemma3ForCausalLM": gemma3_fields,
 }

@@ -47,6 +47,17 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+def grouped_mm_usable(x: torch.Tensor, intermediate: int) -> bool:
+    """PyTorch's grouped matmul (private, no public equivalent yet) needs sm90+ and 16-aligned
+    dims: x [N, H], experts of `intermediate` columns."""
+    return (
+        hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+        and x.shape[1] % 16 == 0
+        and intermediate % 16 == 0
+    )
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [T, 2I] (gate columns, then up) -> [T, I]: HF's
     `act_fn(gate_proj(x)) * up_proj(x)`, each result rounded to the input dtype."""

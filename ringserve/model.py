@@ -13,14 +13,23 @@ RMSNorm, and RoPE rotates q and k in one pass (`ringserve.kernels`: Triton on CU
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ringserve.config import ModelConfig, TPShard
-from ringserve.kernels import add_rms_norm, gelu_tanh_mul, rms_norm, rotary_qk, silu_mul, unit_offset_rms_norm
+from ringserve.fused_moe import GptOssMoeBlock, Llama4MoeBlock
+from ringserve.kernels import (
+    add_rms_norm,
+    gelu_tanh_mul,
+    grouped_mm_usable,
+    rms_norm,
+    rotary_qk,
+    silu_mul,
+    unit_offset_rms_norm,
+)
 
 
 class ForwardContext(Protocol):
@@ -132,12 +141,26 @@ class RotaryEmbedding(nn.Module):
         """Recompute inv_freq after the model was built on the meta device."""
         self.inv_freq = self._inv_freq().to(self.inv_freq.device)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> PositionTables:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(dtype)
         sin = (emb.sin() * self.attention_scaling).to(dtype)
-        return cos[:, None, :], sin[:, None, :]  # [T, 1, D], broadcast over heads
+        q_scale = None
+        if self.config.attn_temperature is not None:
+            floor_scale, attn_scale = self.config.attn_temperature
+            # Llama 4's temperature tuning (NoPE layers): [T, 1, 1] float32, as transformers.
+            q_scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+            q_scale = q_scale[:, None, None]
+        return PositionTables(cos[:, None, :], sin[:, None, :], q_scale)  # [T, 1, D]: over heads
+
+
+class PositionTables(NamedTuple):
+    """What attention needs of the tokens' global positions, computed once per forward."""
+
+    cos: torch.Tensor  # [T, 1, D] RoPE tables, in the activations' dtype
+    sin: torch.Tensor
+    q_scale: torch.Tensor | None = None  # [T, 1, 1] Llama 4 NoPE layers' query scale
 
 
 class RowParallelLinear(nn.Linear):
@@ -149,7 +172,21 @@ class RowParallelLinear(nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
+def l2_norm_heads(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama 4's weightless RMS norm over each head's D of x [T, heads, D], in float32 and
+    rounded to x's dtype (the fused RMSNorm with a weight of ones: no float32 copy of x)."""
+    return rms_norm(x, x.new_ones(x.shape[-1]), eps)
+
+
 class Attention(nn.Module):
+    """Self-attention with its variants as options: q/k norms (Qwen3), RoPE or none, the L2
+    q/k norm and query temperature (Llama 4), sinks and an o_proj bias (gpt-oss).
+
+    Llama 4 rotates interleaved pairs (2i, 2i + 1) of each head; the loader stores its q and
+    k rows de-interleaved (even ones, then odd ones: `weights.deinterleave_heads`), which turns
+    that into the usual half-split rotation with the same dot products q.k.
+    """
+
     def __init__(self, config: ModelConfig, layer: int, shard: TPShard):
         super().__init__()
         self.layer = layer
@@ -166,8 +203,13 @@ class Attention(nn.Module):
             self.k_norm = make_norm(config, self.head_dim)
         else:
             self.q_norm = self.k_norm = None
+        self.uses_rope = layer not in config.nope_layers
+        self.l2_eps = config.rms_norm_eps if config.qk_l2_norm and self.uses_rope else None
+        self.temperature_tuned = config.attn_temperature is not None and not self.uses_rope
+        # This rank's heads' sink logits [NH] (gpt-oss).
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
 
-    def forward(self, x, rope, ctx: ForwardContext):
+    def forward(self, x, pos: PositionTables, ctx: ForwardContext):
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x)  # views of one [T, (NH + 2 NKV) * D] output
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -175,8 +217,15 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary_qk(q, k, *rope)
-        out = ctx.attend(self.layer, q, k, v)
+        if self.uses_rope:
+            q, k = rotary_qk(q, k, pos.cos, pos.sin)
+        else:
+            q, k = q.contiguous(), k.contiguous()
+        if self.l2_eps is not None:
+            q, k = l2_norm_heads(q, self.l2_eps), l2_norm_heads(k, self.l2_eps)
+        if self.temperature_tuned:
+            q = (q * pos.q_scale).to(q.dtype)
+        out = ctx.attend(self.layer, q, k, v, sinks=self.sinks)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), ctx)
 
 
@@ -226,6 +275,10 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
+    @property
+    def num_local_experts(self) -> int:
+        return self.gate_proj.shape[0]
+
     def grouped_forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """x [N, H]: tokens sorted by expert, local expert e's rows ending at ends[e]
         ([E] int32 on x's device, the running count) -> [N, H].
@@ -234,7 +287,7 @@ class Experts(nn.Module):
         token costs nothing. On a GPU in bf16, one grouped matmul runs all experts at once,
         reading the group ends on the device (no host sync).
         """
-        if x.is_cuda and x.dtype == torch.bfloat16 and _grouped_mm_usable(x, self.gate_proj):
+        if x.is_cuda and x.dtype == torch.bfloat16 and grouped_mm_usable(x, self.gate_proj.shape[1]):
             gate = torch._grouped_mm(x, self.gate_proj.transpose(1, 2), offs=ends)
             up = torch._grouped_mm(x, self.up_proj.transpose(1, 2), offs=ends)
             return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
@@ -247,16 +300,6 @@ class Experts(nn.Module):
                 out[start:end] = act @ self.down_proj[e].t()
             start = end
         return out
-
-
-def _grouped_mm_usable(x, weight) -> bool:
-    """PyTorch's grouped matmul (private, no public equivalent yet) needs sm90+ and 16-aligned dims."""
-    return (
-        hasattr(torch, "_grouped_mm")
-        and torch.cuda.get_device_capability(x.device)[0] >= 9
-        and x.shape[1] % 16 == 0
-        and weight.shape[1] % 16 == 0
-    )
 
 
 class SparseMoeBlock(nn.Module):
@@ -283,18 +326,30 @@ class SparseMoeBlock(nn.Module):
         return ctx.run_experts(self.experts, x, expert_ids, weights)
 
 
+def moe_block(config: ModelConfig, shard: TPShard) -> nn.Module:
+    """The MoE block the config's router names (Llama 4 and gpt-oss: ringserve.fused_moe)."""
+    if config.moe_router == "softmax":
+        return SparseMoeBlock(config, shard)
+    if config.moe_router == "sigmoid_scaled_input":
+        shared = MLP(config.hidden_size, config.shared_expert_intermediate_size // shard.size)
+        return Llama4MoeBlock(config, shard, shared)
+    if config.moe_router == "topk_softmax":
+        return GptOssMoeBlock(config, shard)
+    raise ValueError(f"unknown moe_router {config.moe_router!r}")
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, shard: TPShard):
         super().__init__()
         self.self_attn = Attention(config, layer, shard)
         if config.layer_is_sparse(layer):
-            self.mlp = SparseMoeBlock(config, shard)
+            self.mlp = moe_block(config, shard)
         else:
             self.mlp = MLP(config.hidden_size, shard.intermediate_size, config.hidden_act)
         self.input_layernorm = make_norm(config, config.hidden_size)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
 
-    def forward(self, x, residual, rope, ctx: ForwardContext):
+    def forward(self, x, residual, pos: PositionTables, ctx: ForwardContext):
         """x [T, H]: the previous layer's MLP output, residual: the stream it adds to (None at
         the first layer, where x is the embedding) -> the same pair for this layer; the
         hidden state is their sum. Each add runs fused into the norm after it (the last
@@ -303,7 +358,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, ctx), residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, pos, ctx), residual)
         return self.mlp(h, ctx), residual
 
 

@@ -17,7 +17,20 @@ TINY = dict(
     max_position_embeddings=512,
 )
 
-ARCHITECTURES = ["llama", "mistral", "qwen3", "mixtral", "qwen3_moe", "qwen2", "gemma3"]
+ARCHITECTURES = ["llama", "mistral", "qwen3", "mixtral", "qwen3_moe", "qwen2", "gemma3", "llama4", "gpt_oss"]
+
+
+def llama3_rope() -> dict:
+    """Llama 3's RoPE scaling, with an original context of 64 so that the tiny prompts reach
+    past it."""
+    return {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
 
 
 def make_hf_config(arch: str):
@@ -27,14 +40,7 @@ def make_hf_config(arch: str):
         return tf.LlamaConfig(
             **TINY,
             tie_word_embeddings=True,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
+            rope_parameters=llama3_rope(),
         )
     if arch == "qwen3":
         # head_dim 32 with 4 heads: 128 wide attention on a 64 wide model
@@ -71,6 +77,43 @@ def make_hf_config(arch: str):
             },
             final_logit_softcapping=3.0,
         )
+    if arch == "llama4":
+        # Layer 1 is NoPE (no_rope_layer_interval 2; Scout: 4) with temperature tuning that
+        # varies over a few tokens (floor_scale 4) and MoE (top-2, so the input scaling is summed
+        # over choices); layer 0 is dense, with RoPE over chunks of 16 tokens.
+        return tf.Llama4TextConfig(
+            **TINY | dict(intermediate_size=48),
+            architectures=["Llama4ForCausalLM"],
+            head_dim=16,
+            intermediate_size_mlp=96,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            interleave_moe_layer_step=2,
+            no_rope_layer_interval=2,
+            attention_chunk_size=16,
+            floor_scale=4,
+            attn_scale=0.5,
+            rope_parameters=llama3_rope(),
+        )
+    if arch == "gpt_oss":
+        # Sliding (8 tokens) and full layers; a SwiGLU limit the activations reach; YaRN RoPE.
+        return tf.GptOssConfig(
+            **TINY | dict(intermediate_size=64),  # MXFP4 groups of 32 along it (tests/test_mxfp4.py)
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=1.0,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 128,
+            },
+        )
     raise ValueError(arch)
 
 
@@ -88,8 +131,10 @@ def save_random_model(hf_config, folder: str, seed: int = 0, **save_kwargs) -> s
     # decided by clear margins and any error in the engine shows.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() >= 2 or name.endswith(".bias"):
+            if p.dim() >= 2:
                 p.normal_(0, 0.08)
+            elif name.endswith(("bias", "sinks")):  # zero by default: make them count
+                p.normal_(0, 0.5)
             if "norm" in name:
                 p.uniform_(0.8, 1.2)
     model.save_pretrained(folder, **save_kwargs)

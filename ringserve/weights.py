@@ -22,6 +22,7 @@ from safetensors import safe_open
 from ringserve.config import ModelConfig, TPShard
 from ringserve.errors import ModelLoadError
 from ringserve.model import Experts, MergedLinear, Transformer
+from ringserve.mxfp4 import pair_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +36,15 @@ _EXPERT_PATTERNS = [
     # Qwen3-MoE: mlp.experts.{e}.gate_proj / up_proj / down_proj
     (re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"), None),
 ]
-_RENAMES = [(re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate.")]
-# Tensors some checkpoints carry that the model recomputes.
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+_RENAMES = [
+    (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
+    (re.compile(r"^language_model\."), ""),  # Llama 4 as published (multimodal): its text model
+    (re.compile(r"\.feed_forward\."), ".mlp."),  # Llama 4
+]
+# q and k rows, which RoPE rotates.
+_ROTATED = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
+# Tensors some checkpoints carry that the model recomputes, or does not run (a vision tower).
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$|^(vision_model|multi_modal_projector)\.")
 
 
 def checkpoint_param_name(name: str) -> tuple[str, int | None]:
@@ -57,7 +64,8 @@ class ShardPlan:
     """Which part of each tensor this rank holds; the default holds every tensor whole."""
 
     def local_slice(self, param_name: str, full_shape: tuple[int, ...]):
-        """A tuple of slices into the on-disk tensor, or None for all of it."""
+        """A tuple of slices into the on-disk tensor, or None for all of it. One dimension's
+        entry may be a list of slices: their pieces, concatenated along it."""
         return None
 
     def pads(self, param_name: str) -> bool:
@@ -141,18 +149,37 @@ def _file_tensors(folder: str):
 
                 def read(index, name=name, f=f):
                     source = f.get_slice(name)
-                    index = index(tuple(source.get_shape()))
-                    return source[index] if index is not None else source[:]
+                    return read_index(source, index(tuple(source.get_shape())))
 
                 yield name, path, read
+
+
+def read_index(source, index) -> torch.Tensor:
+    """source[index] for a tensor or a safetensors slice; a list of slices in one dimension
+    reads each piece and concatenates them along it (e.g. one TP rank's gate and up columns
+    of a fused [E, H, 2I] tensor)."""
+    if index is None:
+        return source[:]
+    for dim, entry in enumerate(index):
+        if isinstance(entry, list):
+            pieces = [source[index[:dim] + (piece,) + index[dim + 1 :]] for piece in entry]
+            return torch.cat(pieces, dim=dim)
+    return source[index]
+
+
+def deinterleave_heads(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """q or k projection rows [n * D, ...] -> each head's rows reordered even ones first, then
+    odd ones: RoPE on interleaved pairs (2i, 2i + 1) (Llama 4) becomes the half-split RoPE on
+    pairs (i, i + D/2), with the same q.k (both reordered alike; norms over D unchanged)."""
+    heads = rows.reshape(-1, head_dim // 2, 2, *rows.shape[1:])
+    return heads.transpose(1, 2).reshape(rows.shape)
 
 
 def _memory_tensors(tensors: Mapping[str, torch.Tensor]):
     for name, tensor in tensors.items():
 
         def read(index, tensor=tensor):
-            index = index(tuple(tensor.shape))
-            return tensor[index] if index is not None else tensor
+            return read_index(tensor, index(tuple(tensor.shape)))
 
         yield name, "memory", read
 
@@ -181,7 +208,8 @@ def load_weights(
     # No bar object unless it is shown: tqdm makes a multiprocessing lock even when disabled,
     # and a parallel rank that is stopped by a signal would leave that semaphore behind.
     progress = tqdm(total=len(expected), desc="Loading weights", unit="tensor") if show_progress else None
-    source = _memory_tensors(tensors) if tensors is not None else _file_tensors(folder)
+    source = pair_quantized(_memory_tensors(tensors) if tensors is not None else _file_tensors(folder))
+    config = model.config
     for name, origin, read in source:
         if _IGNORED.search(name):
             continue
@@ -213,6 +241,8 @@ def load_weights(
             # The last rank's vocabulary rows run past the vocabulary: zero the padding.
             target[tensor.shape[0] :].zero_()
             target = target[: tensor.shape[0]]
+        if config.rope_interleaved and param_name.endswith(_ROTATED):
+            tensor = deinterleave_heads(tensor, config.head_dim)
         if tuple(tensor.shape) != tuple(target.shape):
             raise ModelLoadError(
                 f"tensor {name} in {origin} has shape {tuple(tensor.shape)}, "

@@ -59,6 +59,9 @@ def reference(tiny_model_dir):
         ("qwen2", dict(cp=2)),
         ("gemma3", dict(cp=2, cp_algo="pass_kv")),
         ("gemma3", dict(cp=2, cp_algo="pass_q")),
+        # Chunks of 16 (Llama 4) and windows of 8 (gpt-oss, with sinks) over the 101-token ring.
+        ("llama4", dict(cp=2, cp_algo="pass_kv")),
+        ("gpt_oss", dict(cp=2, cp_algo="pass_q")),
     ],
 )
 def test_cp_equals_single_rank(arch, layout, tiny_model_dir, reference):

@@ -38,6 +38,10 @@ def outputs(folder, **kw):
         ("mixtral", dict(tp=2, cp=2, ep=4, ranks_per_host=2)),  # two hosts of 2: two-shot
         # Two EP groups (the TP pairs), each spanning two hosts of one rank: two-shot.
         ("mixtral", dict(tp=2, cp=2, ep=2, ranks_per_host=1)),
+        # Fused expert tensors sliced by expert; Llama 4's shared expert stays TP-split.
+        ("llama4", dict(tp=2, ep=2)),
+        ("llama4", dict(cp=2, ep=2)),  # the shared expert replicated on both ranks, not dispatched
+        ("gpt_oss", dict(tp=2, ep=2)),
     ],
 )
 def test_ep_equals_single_rank_and_transformers(arch, layout, tiny_model_dir):

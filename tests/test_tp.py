@@ -36,6 +36,8 @@ def single_rank(folder):
         ("qwen3_moe", 4),
         ("qwen2", 2),
         ("gemma3", 2),
+        ("llama4", 2),  # experts' gate and up halves split apart; the shared expert TP-split
+        ("gpt_oss", 2),  # sinks and q/k/v biases by head, o_proj and expert down biases added once
     ],
 )
 def test_tp_equals_single_rank_and_transformers(arch, tp, tiny_model_dir):

@@ -23,11 +23,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ringserve.fused_moe import FusedExperts
 from ringserve.model import Experts
 from ringserve.parallel.comm import all_gather_stacked
 
 
-def _run_rows(experts: Experts, rows, expert_ids, weights, first_expert: int, all_local: bool = False):
+def _run_rows(
+    experts: Experts | FusedExperts, rows, expert_ids, weights, first_expert: int, all_local: bool = False
+):
     """rows [N, H]; expert_ids, weights [N, k] (-1: no expert) -> [N, H] = sum_j w_j * e_j(row).
 
     Each local expert runs once over all the rows that chose it (grouped, no per-token loop).
@@ -45,7 +48,7 @@ def _run_rows(experts: Experts, rows, expert_ids, weights, first_expert: int, al
     order = torch.argsort(local, stable=True)
     row_of, local, w = row_of[order], local[order], w[order]
     # ends[e]: pairs routed to local experts 0..e, i.e. where expert e's group ends.
-    experts_here = torch.arange(experts.gate_proj.shape[0], device=rows.device)
+    experts_here = torch.arange(experts.num_local_experts, device=rows.device)
     ends = torch.searchsorted(local, experts_here, right=True, out_int32=True)
     y = experts.grouped_forward(rows[row_of], ends) * w.unsqueeze(-1)
     return torch.zeros_like(rows).index_add_(0, row_of, y)
@@ -55,7 +58,7 @@ class LocalExperts:
     def __init__(self, all_reduce):
         self.all_reduce = all_reduce
 
-    def __call__(self, experts: Experts, x, expert_ids, weights):
+    def __call__(self, experts: Experts | FusedExperts, x, expert_ids, weights):
         return self.all_reduce(_run_rows(experts, x, expert_ids, weights, 0, all_local=True))
 
 
@@ -114,7 +117,7 @@ class ExpertParallel:
             raise ValueError("the two-shot all-to-all needs the EP group's intra-host and peer groups")
         self.cross_host_bytes = 0
 
-    def __call__(self, experts: Experts, x, expert_ids, weights):
+    def __call__(self, experts: Experts | FusedExperts, x, expert_ids, weights):
         if self.replicated_group is None:
             return self._dispatch_combine(experts, x, expert_ids, weights)
         n, r = dist.get_world_size(self.replicated_group), dist.get_rank(self.replicated_group)
@@ -124,7 +127,7 @@ class ExpertParallel:
         padded[: hi - lo] = self._dispatch_combine(experts, x[lo:hi], expert_ids[lo:hi], weights[lo:hi])
         return all_gather_stacked(padded, self.replicated_group).view(-1, x.shape[1])[: x.shape[0]]
 
-    def _dispatch_combine(self, experts: Experts, x, expert_ids, weights):
+    def _dispatch_combine(self, experts: Experts | FusedExperts, x, expert_ids, weights):
         dest = expert_ids // self.experts_per_rank  # [T, k] rank holding each choice
         if self.two_shot:
             rows, ids, w, token_of, back = self._two_shot(x, expert_ids, weights, dest)

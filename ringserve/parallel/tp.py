@@ -25,6 +25,8 @@ def _tp_problems(config: ModelConfig, tp: int) -> list[str]:
         problems.append(f"intermediate_size={config.intermediate_size}")
     if config.is_moe and config.moe_intermediate_size % tp:
         problems.append(f"moe_intermediate_size={config.moe_intermediate_size}")
+    if config.shared_expert_intermediate_size % tp:
+        problems.append(f"shared expert intermediate_size={config.shared_expert_intermediate_size}")
     return problems
 
 
@@ -51,12 +53,22 @@ class TensorParallelPlan(ShardPlan):
         self.head_dim = config.head_dim
         self.vocab_size = config.vocab_size
         self.whole_experts = shard.num_experts < config.num_experts  # spread by expert parallelism
+        self.fused_experts = config.experts_layout != "per_expert"
+        self.interleaved_gate_up = config.experts_layout == "fused_interleaved"
 
     def _rows(self, start: int, count: int, unit: int = 1) -> slice:
         return slice(start * unit, (start + count) * unit)
 
     def local_slice(self, param_name: str, full_shape: tuple[int, ...]):
         s, d = self.shard, self.head_dim
+        if self.fused_experts and ".experts." in param_name:
+            return self._fused_experts_slice(param_name, full_shape)
+        if param_name.endswith("self_attn.sinks"):
+            return (self._rows(s.rank * s.num_heads, s.num_heads),)
+        if param_name.endswith(("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight")):
+            return (self._even_share(full_shape[0]),)
+        if param_name.endswith("shared_expert.down_proj.weight"):
+            return (slice(None), self._even_share(full_shape[1]))
         if param_name.endswith(("q_proj.weight", "q_proj.bias")):
             return (self._rows(s.rank * s.num_heads, s.num_heads, d),)
         if param_name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
@@ -80,6 +92,31 @@ class TensorParallelPlan(ShardPlan):
             return (slice(None), self._rows(s.rank * s.moe_intermediate_size, s.moe_intermediate_size))
         if param_name.endswith(("embed_tokens.weight", "lm_head.weight")):
             return (slice(s.vocab_start, min(s.vocab_start + s.vocab_size, self.vocab_size)),)
+        return None
+
+    def _even_share(self, size: int) -> slice:
+        per = size // self.shard.size
+        return self._rows(self.shard.rank * per, per)
+
+    def _fused_experts_slice(self, param_name: str, full_shape: tuple[int, ...]):
+        """Fused experts (Llama 4, gpt-oss): gate_up_proj [E, H, 2I] (+ bias [E, 2I]),
+        down_proj [E, I, H] (+ bias [E, H]). Under expert parallelism this rank's experts,
+        whole; under tensor parallelism every expert's share of I (down_proj_bias whole: only
+        TP rank 0 adds it). Interleaved gate/up columns (gpt-oss) keep a share contiguous;
+        concatenated ones (Llama 4) take a piece of the gate half and one of the up half."""
+        s = self.shard
+        if self.whole_experts:
+            return (slice(s.expert_start, s.expert_start + s.num_experts),)
+        share = self._rows(s.rank * s.moe_intermediate_size, s.moe_intermediate_size)
+        if param_name.endswith("down_proj"):
+            return (slice(None), share)
+        if param_name.endswith(("gate_up_proj", "gate_up_proj_bias")):
+            if self.interleaved_gate_up:
+                columns = slice(2 * share.start, 2 * share.stop)
+            else:
+                half = full_shape[-1] // 2
+                columns = [share, slice(half + share.start, half + share.stop)]
+            return (slice(None),) * (len(full_shape) - 1) + (columns,)
         return None
 
     def pads(self, param_name: str) -> bool:

@@ -212,6 +212,10 @@ def dense_block(q, k, v, causal: bool, scale: float):
             qs, ks, vs, 0.0, causal, attn_mask=None, scale=scale
         )
         return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        # cuDNN's SDPA is for half precision: given float32 on an H200 it raised nothing and
+        # returned garbage (NaN logits for Llama 4's chunks in float32). Explicit scores.
+        return dense_block_math(q, k, v, causal, scale)
     if _CUDNN_GQA is not False or group == 1:
         try:
             out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
@@ -230,6 +234,12 @@ def dense_block(q, k, v, causal: bool, scale: float):
         qs, ks, vs, None, True, 0.0, causal, False, scale=scale
     )
     return out[0].transpose(0, 1), lse[0].reshape(q.shape[1], q.shape[0]).transpose(0, 1)
+
+
+def dense_block_math(q, k, v, causal: bool, scale: float):
+    """dense_block with explicit float32 scores, any device and dtype (causal: top-left aligned)."""
+    visible = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
+    return masked_block(q, k, v, visible.tril() if causal else visible, scale)
 
 
 def dense_per_sequence(q, k, v, q_bounds: list[int], k_bounds: list[int], scale: float):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringserve.attention import VarlenBatch, attention_with_lse
+from ringserve.attention import VarlenBatch, attention_with_lse, dense_block, dense_block_math
 from ringserve.lse_merge import merge_partials
 
 
@@ -309,3 +309,15 @@ def test_cpu_flash_path_in_bfloat16(layout):
     exact_out, exact_lse = float64_reference(q, k, v, lengths_q, lengths_k, 32**-0.5)
     torch.testing.assert_close(out.double(), exact_out, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse.double(), exact_lse, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dense_block_math_equals_the_flash_kernel(causal):
+    """The explicit-score block that float32 takes on a GPU (cuDNN is half precision only)
+    equals the CPU flash kernel's block, GQA included."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(7, 4, 16), torch.randn(7, 2, 16), torch.randn(7, 2, 16)
+    ref_out, ref_lse = dense_block(q, k, v, causal, 0.25)
+    out, lse = dense_block_math(q, k, v, causal, 0.25)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)

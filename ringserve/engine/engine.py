@@ -21,6 +21,8 @@ from ringserve import chat
 from ringserve.config import EngineConfig, ModelConfig, ParallelConfig, resolve_dtype
 from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.detokenizer import IncrementalDetokenizer
+from ringserve.engine.dp_scheduler import DataParallelScheduler
+from ringserve.engine.dp_step import DataParallelStep
 from ringserve.engine.executor import (
     LocalExecutor,
     MultiprocessExecutor,
@@ -172,7 +174,8 @@ class LLMEngine:
         gpus = torch.cuda.device_count() if self.device.type == "cuda" else 0
         if self.device.type == "cuda" and torchrun_env() is None and parallel.world_size > gpus:
             raise ValueError(
-                f"tp x cp = {parallel.world_size} ranks need as many GPUs; this machine has {gpus}"
+                f"dp x cp x tp = {parallel.dp} x {parallel.cp} x {parallel.tp} = {parallel.world_size} "
+                f"ranks need as many GPUs on this host (without torchrun); this machine has {gpus}"
             )
         if parallel.ep > 1 and (not config.is_moe or config.num_experts % parallel.ep):
             raise ValueError(
@@ -206,8 +209,17 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(self.model_path, config, self.tokenizer)
         self.cp_calibration = CPCalibration.load(self.device.type)
         num_blocks = self.executor.num_blocks * parallel.cp  # each CP rank has its own pool
-        self.block_manager = BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching, parallel.cp)
-        self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs)
+        # One scheduler and KV-cache pool per data-parallel replica (each its own requests).
+        self.replicas = [
+            Scheduler(
+                BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching, parallel.cp),
+                ec.max_num_batched_tokens,
+                ec.max_num_seqs,
+            )
+            for _ in range(parallel.dp)
+        ]
+        self.block_manager = self.replicas[0].block_manager  # every replica's pool is this size
+        self.scheduler = self.replicas[0] if parallel.dp == 1 else DataParallelScheduler(self.replicas)
         self.seqs: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -218,13 +230,16 @@ class LLMEngine:
         self._undelivered: list[RequestOutput] = []  # read by a step that then raised
         self.steps_scheduled_ahead = 0  # steps launched before the previous one's tokens were read
         logger.info(
-            "model %s (%s) on %s in %s, tp=%d cp=%d; KV cache %d blocks of %d tokens; async scheduling %s",
+            "model %s (%s) on %s in %s, dp=%d tp=%d cp=%d ep=%d; KV cache %d blocks of %d tokens "
+            "(per replica); async scheduling %s",
             self.model_path,
             config.architecture,
             self.device,
             self.dtype,
+            parallel.dp,
             parallel.tp,
             parallel.cp,
+            parallel.ep,
             num_blocks,
             ec.block_size,
             "on" if self.async_scheduling else "off",
@@ -389,10 +404,13 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch, inflight: _LaunchedStep | None) -> _LaunchedStep:
         """Send a step to the device and sample it there; nothing waits for the device."""
-        step = StepInput.from_batch(batch, self.block_manager.layout)
-        if self.parallel.cp > 1:
-            step.cp_algo = self._choose_cp_algo(batch)
-            self.cp_steps[step.cp_algo] += 1
+        choose_cp_algo = self._choose_cp_algo if self.parallel.cp > 1 else None
+        if self.parallel.dp > 1:
+            step = DataParallelStep.from_batch(batch, self.replicas, choose_cp_algo)
+        else:
+            step = StepInput.from_batch(batch, self.block_manager.layout)
+            if choose_cp_algo is not None:
+                step.cp_algo = choose_cp_algo(batch)
         pending_tokens = None
         if inflight is not None:
             # A sequence's last token may still be on the device, sampled by `inflight`.
@@ -433,7 +451,7 @@ class LLMEngine:
             if seq.finished:  # ended (stop, abort) while this step was being launched
                 continue
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
+            self.replicas[seq.replica].block_manager.cache_full_blocks(seq)
         for seq in launched.sampling:
             if not seq.finished:
                 seq.output_token_ids.append(PENDING_TOKEN)
@@ -505,6 +523,12 @@ class LLMEngine:
         return out
 
     def _choose_cp_algo(self, batch) -> str:
+        """The ring of a step (of one replica's part of it), counted in cp_steps."""
+        algo = self._cp_algo_for(batch)
+        self.cp_steps[algo] += 1
+        return algo
+
+    def _cp_algo_for(self, batch) -> str:
         if self.cp_algo != "auto":
             return self.cp_algo
         c = self.model_config

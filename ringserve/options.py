@@ -125,6 +125,8 @@ class EngineOptions:
         if isinstance(self.model, os.PathLike):
             self.model = os.fspath(self.model)
         self.validate()
+        if self.dp is None:  # resolved once (ep alone implies its replicas): equal layouts compare equal
+            self.dp = self.parallel_config().dp
 
     # Validation -----------------------------------------------------------------------
 

@@ -83,7 +83,8 @@ class AsyncEngine:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: threading.Thread | None = None
         self._stopping = False
-        self._seen_preemptions: dict[int, int] = {}  # engine counters already added to the metrics, per replica
+        # Engine counters already added to the metrics (preemptions per replica).
+        self._seen_preemptions: dict[int, int] = {}
         self._seen_cp: dict[str, int] = {}
 
     # Event-loop side ---------------------------------------------------------------------

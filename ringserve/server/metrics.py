@@ -38,10 +38,16 @@ class Metrics:
         # Per data-parallel replica, under vLLM's label for it ("engine": "0" with one replica).
         per_replica = ["model_name", "engine"]
         self._running = Gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches.", per_replica, registry=r
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            per_replica,
+            registry=r,
         )
         self._waiting = Gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", per_replica, registry=r
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            per_replica,
+            registry=r,
         )
         self._kv_usage = Gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", per_replica, registry=r

@@ -122,12 +122,15 @@ def run_replica_step(worker, step: DataParallelStep, all_logits: bool) -> torch.
         join_expert_layers(worker.model, worker.run_experts)
     if not groups.replica_leader:
         return None
-    counts = step.logit_counts(all_logits)
-    longest = max(s + r for s, r in counts)
-    vocab = worker.model.config.vocab_size
-    padded = torch.zeros(longest, vocab, dtype=torch.float32, device=worker.device)
-    if logits is not None:
-        padded[: logits.shape[0]] = logits
+    longest = max(s + r for s, r in step.logit_counts(all_logits))
+    if logits is not None and logits.shape[0] == longest:
+        padded = logits.contiguous()
+    else:  # [longest, V]: this replica's rows first; the rest is never read
+        padded = torch.empty(
+            longest, worker.model.config.vocab_size, dtype=torch.float32, device=worker.device
+        )
+        if logits is not None:
+            padded[: logits.shape[0]] = logits
     if longest == 0:  # nothing sampled or scored anywhere (prefill chunks): nothing to gather
         return padded if groups.rank == 0 else None
     gathered = [torch.empty_like(padded) for _ in range(groups.dp_size)] if groups.rank == 0 else None

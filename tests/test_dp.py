@@ -27,7 +27,7 @@ from ringserve.server.metrics import Metrics
 from conftest import hf_model
 from helpers import engine_logits, hf_greedy
 
-ENGINE = dict(device="cpu", dtype="float32", block_size=4, timeout_s=30)
+ENGINE = dict(device="cpu", dtype="float32", block_size=4, timeout_s=60)
 
 
 def greedy(n):
@@ -39,16 +39,34 @@ def greedy(n):
 DENSE_PROMPTS = [[7 + i, 40 - i, 3 * i + 1, 99, 5, 200 - i] for i in range(6)]
 
 
+def _tokens_and_prompt_logprobs(outputs) -> tuple[list, list, list[float]]:
+    """Each output's tokens, the token ids its prompt logprobs score, and their values."""
+    scored = [[p for p in o.prompt_logprobs or [] if p is not None] for o in outputs]
+    return (
+        [o.token_ids for o in outputs],
+        [[p.token_id for p in s] for s in scored],
+        [p.logprob for s in scored for p in s],
+    )
+
+
 @pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, tp=2)])
 def test_dense_replicas_equal_one_rank_and_share_the_requests(layout, tiny_model_dir):
     folder = tiny_model_dir("llama")
+    # Requests 0 and 3 (one on each replica) also score their prompts: sampled and scored rows.
+    params = [
+        SamplingParams(
+            max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=2 if i % 3 == 0 else None
+        )
+        for i in range(len(DENSE_PROMPTS))
+    ]
     with LLM(folder, **ENGINE) as llm:
-        expected = [o.token_ids for o in llm.generate(DENSE_PROMPTS, greedy(6))]
+        expected = _tokens_and_prompt_logprobs(llm.generate(DENSE_PROMPTS, params))
     with LLM(folder, **ENGINE, **layout) as llm:
         assert llm.engine.parallel.world_size == 2 * layout.get("tp", 1)
-        got = [o.token_ids for o in llm.generate(DENSE_PROMPTS, greedy(6))]
+        got = _tokens_and_prompt_logprobs(llm.generate(DENSE_PROMPTS, params))
         routed = llm.engine.scheduler.requests_routed
-    assert got == expected
+    assert got[:2] == expected[:2]
+    assert got[2] == pytest.approx(expected[2], abs=1e-4) and len(got[2]) == 10  # 2 prompts of 6
     assert routed == [3, 3]  # prompts of equal length: each replica takes every other one
 
 
@@ -204,16 +222,17 @@ def test_an_idle_replica_does_not_hang_the_world(tiny_model_dir):
     joins every MoE layer's all-to-all."""
     folder = tiny_model_dir("mixtral")
     prompt = [5, 17, 42, 99, 3, 250, 7]
-    started = time.monotonic()
-    with LLM(folder, **{**ENGINE, "timeout_s": 10}, ep=2) as llm:
+    with LLM(folder, **ENGINE, ep=2) as llm:
+        started = time.monotonic()
         (out,) = llm.generate([prompt], greedy(5))
+        # Had replica 1 left replica 0 waiting in a collective, the step would fail at the timeout.
+        assert time.monotonic() - started < ENGINE["timeout_s"]
         assert llm.engine.scheduler.requests_routed == [1, 0]
     assert out.token_ids == hf_greedy(hf_model(folder), prompt, 5)
-    assert time.monotonic() - started < 60
 
 
 def test_a_killed_rank_ends_the_whole_world_naming_it(tiny_model_dir):
-    llm = LLM(tiny_model_dir("mixtral"), **{**ENGINE, "timeout_s": 10}, ep=4)
+    llm = LLM(tiny_model_dir("mixtral"), **ENGINE, ep=4)
     victim = llm.engine.executor.procs[2]  # rank 3: replica 3
     stream = llm.generate_stream([list(range(3, 40)), [5, 6, 7]], greedy(50))
     next(stream)

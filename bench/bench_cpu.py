@@ -81,6 +81,25 @@ def transformers_prefill(folder: str, prompt: list[int]):
     return model, run
 
 
+def builtin_folder() -> str:
+    from ringserve.gguf_import import builtin_model_path, converted_folder
+
+    return converted_folder(builtin_model_path())
+
+
+def random_model(config_folder: str) -> str:
+    """A folder with random float32 weights of the config's shape (safetensors, as saved)."""
+    import tempfile
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tempfile.mkdtemp()
+    config = AutoConfig.from_pretrained(config_folder)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2001, 6001])
@@ -88,12 +107,16 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-chunked", action="store_true", help="skip the default-chunking runs")
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument(
+        "--random-from-config",
+        metavar="FOLDER",
+        help="random weights of the shape in FOLDER/config.json (bench/configs/smollm2_135m is the built-in's) instead of the built-in model (for a quiet "
+        "machine without the model's package: the same work, so the same times)",
+    )
     args = parser.parse_args()
 
-    from ringserve.gguf_import import builtin_model_path, converted_folder
-
     torch.set_num_threads(args.threads)
-    folder = converted_folder(builtin_model_path())
+    folder = random_model(args.random_from_config) if args.random_from_config else builtin_folder()
     vocab = json.load(open(f"{folder}/config.json"))["vocab_size"]
     gen = torch.Generator().manual_seed(0)
     warm = torch.randint(0, vocab, (64,), generator=gen).tolist()

@@ -98,12 +98,11 @@ def _model_folder(smoke):
     """A Llama-3-8B-shaped checkpoint with random bf16 weights on local disk (tiny for smoke)."""
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     folder = os.path.join(tempfile.gettempdir(), "ringserve-bench-model" + ("-smoke" if smoke else ""))
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
     if smoke:
-        from conftest import save_tiny_model
+        from ringserve.tiny_models import save_tiny_model
 
         return save_tiny_model("llama", folder)
     from common import llama3_8b_config

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import event_time_ms, machine_info, measure_ceilings, write_json  # noqa: E402
 
-from ringserve.attention import _dense_block, attention_rows  # noqa: E402
+from ringserve.attention import attention_rows, dense_block  # noqa: E402
 from ringserve.engine.block_manager import BlockManager  # noqa: E402
 from ringserve.engine.sequence import Sequence  # noqa: E402
 from ringserve.lse_merge import merge_partials  # noqa: E402
@@ -70,7 +70,7 @@ def kernel_efficiency(tokens: int, cps=(2, 4, 8)) -> list[dict]:
     q = torch.randn(tokens, NH, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(tokens, NKV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(tokens, NKV, D, device="cuda", dtype=torch.bfloat16)
-    cudnn_ms = event_time_ms(lambda: _dense_block(q, k, v, True, D**-0.5), warmup=2, reps=5)
+    cudnn_ms = event_time_ms(lambda: dense_block(q, k, v, True, D**-0.5), warmup=2, reps=5)
     rows = []
     for n in cps:
         step = ring_step_for(tokens, n)

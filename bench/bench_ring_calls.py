@@ -21,7 +21,7 @@ from bench_ring import NH, NKV, D, ring_step_for  # noqa: E402
 from common import event_time_ms, machine_info, write_json  # noqa: E402
 
 from ringserve import lse_merge  # noqa: E402
-from ringserve.attention import _dense_block  # noqa: E402
+from ringserve.attention import dense_block  # noqa: E402
 
 
 def host_us(fn, reps: int = 50) -> float:
@@ -114,7 +114,7 @@ def chunk_after_prefix() -> list[dict]:
         )
         whole = torch.randn(total, NH, D, device="cuda", dtype=torch.bfloat16)
         row["cudnn_whole_context_ms"] = event_time_ms(
-            lambda w=whole, a=args: _dense_block(w, a[1], a[2], True, D**-0.5)
+            lambda w=whole, a=args: dense_block(w, a[1], a[2], True, D**-0.5)
         )
         rows.append(row)
         print(row, flush=True)
@@ -156,7 +156,7 @@ def main():
                             for name, fn in (
                                 (
                                     "cudnn",
-                                    lambda q=q, k=k, v=v, c=shape[2]: _dense_block(q, k, v, c, D**-0.5),
+                                    lambda q=q, k=k, v=v, c=shape[2]: dense_block(q, k, v, c, D**-0.5),
                                 ),
                                 ("flash", lambda q=q, k=k, v=v, c=shape[2]: flash_block(q, k, v, c)),
                             ):

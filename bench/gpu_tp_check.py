@@ -9,18 +9,18 @@ the TP group and each algorithm is checked eagerly and inside a CUDA graph.
 
 from __future__ import annotations
 
-import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, "tests")
-from ringserve import LLM, SamplingParams  # noqa: E402
-from ringserve.engine.executor import MultiprocessExecutor  # noqa: E402
-from ringserve.parallel.allreduce import AllReduce  # noqa: E402
-
-from conftest import hf_model, save_tiny_model  # noqa: E402
-from helpers import hf_greedy  # noqa: E402
+from ringserve import LLM, SamplingParams
+from ringserve.engine.executor import MultiprocessExecutor
+from ringserve.parallel.allreduce import AllReduce
+from ringserve.tiny_models import (
+    hf_greedy,
+    hf_model,
+    save_tiny_model,
+)
 
 
 def main():

@@ -38,6 +38,7 @@ def main():
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--trace-dir", default=os.environ.get("OUT"), help="chrome traces of 8 engine steps")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -81,6 +82,14 @@ def main():
             f"batch {batch:3d}: engine.step {step_ms:6.2f} ms (async scheduling), {sync_ms:6.2f} ms "
             f"(synchronous), graph replay alone {replay_ms:6.2f} ms"
         )
+        if args.trace_dir:  # the whole engine.step, host and device, to find the device's idle gaps
+            with torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            ) as prof:
+                for _ in range(8):
+                    engine.step()
+                torch.cuda.synchronize()
+            prof.export_chrome_trace(os.path.join(args.trace_dir, f"decode_steps_b{batch}.json"))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 graphs.graphs[bucket].replay()

@@ -99,7 +99,7 @@ def attention_rows(q, k, v, batch: VarlenBatch, scale: float):
 def _attend_group(q, k, v, group, scale: float):
     """(out, lse) of one row group of a plan: its queries over the group's blocks."""
     q0, q1 = group[0].q0, group[0].q1
-    parts = [_dense_block(q[q0:q1], k[b.k0 : b.k1], v[b.k0 : b.k1], b.causal, scale) for b in group]
+    parts = [dense_block(q[q0:q1], k[b.k0 : b.k1], v[b.k0 : b.k1], b.causal, scale) for b in group]
     if len(parts) == 1:
         return parts[0]
     return merge_partials([p[0] for p in parts], [p[1] for p in parts])
@@ -176,7 +176,7 @@ def _long_chunks(q_bounds: list[int]) -> bool:
 _CUDNN_GQA: bool | None = None  # whether cuDNN takes fewer K/V heads than query heads
 
 
-def _dense_block(q, k, v, causal: bool, scale: float):
+def dense_block(q, k, v, causal: bool, scale: float):
     """One block with no mask, or a causal diagonal (Lq == Lk): q [Lq, NH, D], k/v [Lk, NKV, D]."""
     global _CUDNN_GQA
     group = q.shape[1] // k.shape[1]

@@ -66,7 +66,7 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         for ids, params in zip(token_ids, sampling_params):
-            self.engine._check_prompt(ids)
+            self.engine.check_prompt(ids)
             self.engine.check_params(params)
         return [
             self.engine.add_request(p, params, prompt_token_ids=ids)

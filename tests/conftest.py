@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ringserve.tiny_models import save_tiny_model
+
 
 def pytest_configure(config):
     """Every test, and every process a test starts (ranks, servers, the CLI), keeps its
@@ -24,72 +26,6 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     shutil.rmtree(getattr(config, "ringserve_cache", ""), ignore_errors=True)
-
-
-# Small enough to be quick on 2 cores, big enough to exercise GQA, q/k norms, rope scaling,
-# MoE routing with dense layers, and tied embeddings.
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
-
-ARCHITECTURES = ["llama", "qwen3", "mixtral", "qwen3_moe"]
-
-
-def make_hf_config(arch: str):
-    import transformers as tf
-
-    if arch == "llama":
-        return tf.LlamaConfig(
-            **TINY,
-            tie_word_embeddings=True,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        )
-    if arch == "qwen3":
-        # head_dim 32 with 4 heads: 128 wide attention on a 64 wide model
-        return tf.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
-    if arch == "mixtral":
-        return tf.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)
-    if arch == "qwen3_moe":
-        return tf.Qwen3MoeConfig(
-            **TINY,
-            head_dim=16,
-            num_experts=6,
-            num_experts_per_tok=2,
-            moe_intermediate_size=48,
-            mlp_only_layers=[0],
-            norm_topk_prob=True,
-        )
-    raise ValueError(arch)
-
-
-def save_tiny_model(arch: str, folder: str, seed: int = 0, **save_kwargs) -> str:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_hf_config(arch), dtype=torch.float32)
-    # Larger weights than the default init make logits spread out, so greedy choices are
-    # decided by clear margins and any error in the engine shows.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.08)
-            if "norm" in name:
-                p.uniform_(0.8, 1.2)
-    model.save_pretrained(folder, **save_kwargs)
-    return folder
 
 
 @pytest.fixture(scope="session")
@@ -110,12 +46,6 @@ def builtin_dir():
     from ringserve.gguf_import import builtin_model_path, converted_folder
 
     return converted_folder(builtin_model_path())
-
-
-def hf_model(folder: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 @pytest.fixture(autouse=True)

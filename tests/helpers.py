@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -11,46 +10,10 @@ from collections.abc import Iterator
 import torch
 
 from ringserve.engine.block_manager import BlockManager
-from ringserve.engine.runner import StepInput
-from ringserve.engine.scheduler import ScheduledBatch
 from ringserve.engine.sequence import Sequence
 from ringserve.parallel.cp import RingStep
+from ringserve.parallel.local_world import free_port
 from ringserve.sampling_params import SamplingParams
-
-
-def engine_logits(engine, token_ids: list[int], prefill: int, chunks: list[int] = ()) -> torch.Tensor:
-    """Logits [len, V] of every position: `prefill` tokens in one step, then a step per
-    chunk (sizes in `chunks`) after that cached prefix, then one token per step through
-    the paged cache, as decoding computes them."""
-    seq = Sequence("probe", token_ids[:prefill], SamplingParams())
-    engine.scheduler.take_row(seq)
-    rows = []
-    steps = [prefill, *chunks] + [1] * (len(token_ids) - prefill - sum(chunks))
-    for n in steps:
-        seq.prompt_token_ids = token_ids[: seq.num_computed_tokens + n]
-        assert engine.block_manager.allocate(seq, n)
-        step = StepInput.from_batch(ScheduledBatch([seq], [n]), engine.block_manager.layout)
-        rows.append(engine.executor.execute(step, all_logits=True))
-        seq.num_computed_tokens += n
-    engine.block_manager.free(seq)
-    engine.scheduler.free_rows.append(seq.row)
-    return torch.cat(rows)
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation, past any EOS (as ignore_eos=True)."""
-    ids = torch.tensor([prompt])
-    model.generation_config.eos_token_id = None
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    tokens = out[0, len(prompt) :].tolist()
-    assert len(tokens) == max_new_tokens
-    return tokens
 
 
 def ring_step(starts: list[int], totals: list[int], block_size: int, cp: int):
@@ -78,12 +41,6 @@ def ring_step(starts: list[int], totals: list[int], block_size: int, cp: int):
         for seq, total in zip(seqs, totals)
     ]
     return step, layout, key_positions
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -156,7 +156,7 @@ def test_stop_string_ends_the_text_as_the_synchronous_engine_does(builtin_dir):
 def test_pending_tokens_reach_the_model_from_the_device(llama):
     """The placeholder the host holds must never reach the model: run the runner with a
     step whose token is pending and compare with the real id given on the host."""
-    from ringserve.engine.runner import StepInput
+    from ringserve.engine.step_input import StepInput
 
     with LLM(llama, device="cpu", dtype="float32", enable_prefix_caching=False) as llm:
         runner = llm.engine.executor.worker.runner

@@ -6,9 +6,7 @@ import pytest
 
 from ringserve import LLM, SamplingParams
 from ringserve.cli import main
-
-from conftest import hf_model
-from helpers import hf_greedy
+from ringserve.tiny_models import hf_greedy, hf_model
 
 QUESTION = "What is the capital of France?"
 

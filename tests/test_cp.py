@@ -6,11 +6,12 @@ import torch
 
 from ringserve import LLM, SamplingParams
 from ringserve.attention import VarlenBatch, attention_with_lse
+from ringserve.engine.logits_probe import engine_logits
 from ringserve.parallel.cp import CPCalibration, RingAttention, choose_cp_algo
 from ringserve.parallel.cp_layout import place_blocks
 from ringserve.parallel.local_world import run_local_world
 
-from helpers import engine_logits, ring_step
+from helpers import ring_step
 
 BS = 4  # small KV blocks so that short prompts spread over every rank
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -246,7 +247,7 @@ def test_auto_uses_pass_kv_for_prefill_and_pass_q_for_decode(tiny_model_dir, ref
 
     monkeypatch.setenv("RINGSERVE_CACHE", "/nonexistent")  # the built-in defaults, not a stored calibration
     ref_long = reference("llama")[0]
-    with caplog.at_level(logging.DEBUG, logger="ringserve.engine.engine"):
+    with caplog.at_level(logging.DEBUG, logger="ringserve.engine.cp_policy"):
         with LLM(tiny_model_dir("llama"), device="cpu", dtype="float32", block_size=BS, cp=2) as llm:
             assert llm.generate([LONG], GREEDY)[0].token_ids == ref_long
     decisions = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cp step")]

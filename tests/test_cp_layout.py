@@ -8,9 +8,9 @@ local slot local_block * block_size + p % block_size.
 import torch
 
 from ringserve.engine.block_manager import BlockManager
-from ringserve.engine.runner import StepInput
 from ringserve.engine.scheduler import Scheduler
 from ringserve.engine.sequence import Sequence, Status
+from ringserve.engine.step_input import StepInput
 from ringserve.sampling_params import SamplingParams
 
 from helpers import ring_step

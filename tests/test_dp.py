@@ -18,6 +18,7 @@ from ringserve.engine import engine as engine_module
 from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.dp_scheduler import DataParallelScheduler
 from ringserve.engine.executor import WorkerError
+from ringserve.engine.logits_probe import engine_logits
 from ringserve.engine.scheduler import Scheduler
 from ringserve.engine.sequence import Sequence
 from ringserve.options import OptionError
@@ -25,7 +26,7 @@ from ringserve.server.async_engine import AsyncEngine
 from ringserve.server.metrics import Metrics
 
 from conftest import hf_model
-from helpers import engine_logits, hf_greedy
+from helpers import hf_greedy
 
 ENGINE = dict(device="cpu", dtype="float32", block_size=4, timeout_s=60)
 

@@ -83,7 +83,11 @@ from ringserve.engine import sampler as S
 key = torch.tensor([0, 1, 2**32 - 1, 123456789, 987654321], dtype=torch.int64)
 key2 = S._mix32(key ^ 0x85EBCA6B)
 h = S._mix32(S._mix32(key[:, None] ^ torch.arange(3000)) ^ key2[:, None])
-torch.testing.assert_close(S._gumbel_triton(key, key2, 3000), S._gumbel_of_hash(h), rtol=1e-6, atol=1e-6)
+# the keys as SamplingTensors holds them: columns of one [S, 4] tensor (strided)
+fields = torch.stack([torch.zeros_like(key), torch.full_like(key, 7), key, key2], dim=1)
+torch.testing.assert_close(
+    S._gumbel_triton(fields[:, 2], fields[:, 3], 3000), S._gumbel_of_hash(h), rtol=1e-6, atol=1e-6
+)
 print("ok")
 """
 

@@ -19,7 +19,7 @@ import time
 import httpx2 as httpx
 import pytest
 
-from helpers import free_port
+from ringserve.parallel.local_world import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = ["--device", "cpu", "--dtype", "float32"]

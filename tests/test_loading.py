@@ -9,9 +9,8 @@ import torch
 
 from ringserve import LLM, ModelLoadError
 from ringserve.engine.engine import LLMEngine
-
-from conftest import hf_model, save_tiny_model
-from helpers import engine_logits
+from ringserve.engine.logits_probe import engine_logits
+from ringserve.tiny_models import hf_model, save_tiny_model
 
 
 def test_sharded_checkpoint_with_index(tmp_path):

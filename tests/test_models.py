@@ -5,9 +5,8 @@ import torch
 
 from ringserve import LLM, SamplingParams
 from ringserve.engine.engine import LLMEngine
-
-from conftest import ARCHITECTURES, hf_model
-from helpers import engine_logits, hf_greedy
+from ringserve.engine.logits_probe import engine_logits
+from ringserve.tiny_models import ARCHITECTURES, hf_greedy, hf_model
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -17,7 +17,7 @@ import ringserve
 from ringserve import LLM
 from ringserve.cli import build_parser, main
 from ringserve.config import EngineConfig, ParallelConfig
-from ringserve.engine import engine as engine_module
+from ringserve.engine import loading as loading_module
 from ringserve.engine.engine import LLMEngine
 from ringserve.options import EngineOptions, add_cli_args, cli_flags, field_names, from_cli_args
 
@@ -112,8 +112,8 @@ def engines(monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(engine_module, "MultiprocessExecutor", FakeExecutor)
-    monkeypatch.setattr(engine_module, "LocalExecutor", FakeExecutor)
+    monkeypatch.setattr(loading_module, "MultiprocessExecutor", FakeExecutor)
+    monkeypatch.setattr(loading_module, "LocalExecutor", FakeExecutor)
     init = LLMEngine.__init__
 
     def spy(self, *args, **kwargs):

@@ -11,9 +11,9 @@ import torch
 
 from ringserve import LLM, SamplingParams
 from ringserve.engine.graphs import DecodeGraphs, decode_buckets
-from ringserve.engine.runner import StepInput
 from ringserve.engine.scheduler import ScheduledBatch
 from ringserve.engine.sequence import Sequence
+from ringserve.engine.step_input import StepInput
 
 KERNEL_SCRIPT = r"""
 import torch
@@ -84,8 +84,8 @@ ENGINE_SCRIPT = r"""
 import sys
 sys.path.insert(0, "tests")
 import torch
-from conftest import hf_model, save_tiny_model
-from helpers import engine_logits
+from ringserve.tiny_models import hf_model, save_tiny_model
+from ringserve.engine.logits_probe import engine_logits
 from ringserve.engine.engine import LLMEngine
 from ringserve.config import EngineConfig
 import tempfile

@@ -138,6 +138,15 @@ def test_top_p_keeps_the_crossing_token():
     check_distribution(draw(SamplingParams(top_p=0.6), seeds=2000, steps=10, logits=logits), target)
 
 
+def test_top_p_of_one_keeps_every_top_k_token():
+    """One token holds all the float32 mass: the cumulative sum before every other token is
+    exactly 1.0, yet top_p = 1 must drop nothing beyond what top-k drops."""
+    logits = torch.tensor([[100.0] + [0.0] * 99])
+    seq = make_seq(SamplingParams(temperature=1.0, top_k=50, top_p=1.0))
+    kept = filtered_logits(logits, SamplingTensors.from_seqs([seq], "cpu", 100)).isfinite()
+    assert int(kept.sum()) == 100  # all tied at or above the 50th value: ties with the k-th kept
+
+
 def test_top_p_distribution():
     """Cumulative probabilities 0.36, 0.58, 0.72, 0.81, 0.87, ...: top_p 0.85 keeps five tokens,
     the fifth (mass 0.07) because only 0.81 comes before it."""

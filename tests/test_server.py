@@ -28,11 +28,12 @@ from ringserve import SamplingParams
 from ringserve.config import EngineConfig
 from ringserve.engine.engine import LLMEngine
 from ringserve.errors import RequestError, RequestTooLargeError
+from ringserve.parallel.local_world import free_port
 from ringserve.server import build_app
 from ringserve.server.async_engine import AsyncEngine, EngineDeadError
 
 from conftest import KEY, MAX_MODEL_LEN, MAX_WAITING, NAME, scrape_metrics
-from helpers import free_port, serve_in_thread
+from helpers import serve_in_thread
 
 
 def _wait_idle(live, timeout=10.0):
@@ -571,7 +572,7 @@ class FakeEngine:
     def tokenize(self, prompt, chat=False):
         return list(prompt)
 
-    def _check_prompt(self, ids):
+    def check_prompt(self, ids):
         if not ids:
             raise RequestError("the prompt is empty")
 
@@ -722,7 +723,7 @@ def test_worker_error_ends_the_server_with_exit_code_1():
 
 
 def test_engine_logprobs_match_log_softmax(tiny_model_dir):
-    from conftest import hf_model
+    from ringserve.tiny_models import hf_model
 
     folder = tiny_model_dir("llama")
     engine = LLMEngine(folder, device="cpu", dtype="float32", engine_config=EngineConfig(num_blocks=32))

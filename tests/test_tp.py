@@ -10,9 +10,8 @@ import torch
 
 from ringserve import LLM, SamplingParams
 from ringserve.engine.executor import WorkerError
-
-from conftest import hf_model
-from helpers import engine_logits, hf_greedy
+from ringserve.engine.logits_probe import engine_logits
+from ringserve.tiny_models import hf_greedy, hf_model
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], list(range(10, 41)), [200, 1, 77]]

@@ -7,7 +7,7 @@ offers the engine the one Scheduler interface over all of them. A step schedules
 replica, each within its own token budget: a long prompt is prefilled in chunks of at most
 max_num_batched_tokens, so a replica with only decode work waits at most one such chunk
 per token when the replicas step together. The step's batch lists replica 0's sequences
-first, then replica 1's, and so on (what `DataParallelStep` splits again).
+first, then replica 1's, and so on; `step_input` makes each replica's part of it.
 
 Routing, as vLLM's data-parallel load balancing: the replica with the least load, counted in
 the tokens of its waiting and running sequences; among equally loaded ones, the one whose
@@ -16,8 +16,12 @@ prefix cache holds the longest prefix of the request; then the lowest index.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from ringserve.engine.dp_step import DataParallelStep
 from ringserve.engine.scheduler import ScheduledBatch, Scheduler
 from ringserve.engine.sequence import Sequence
+from ringserve.engine.step_input import StepInput
 
 
 class DataParallelScheduler:
@@ -79,3 +83,24 @@ class DataParallelScheduler:
             batch.seqs += part.seqs
             batch.num_tokens += part.num_tokens
         return batch
+
+    def step_input(
+        self, batch: ScheduledBatch, choose_cp_algo: Callable[[ScheduledBatch], str] | None = None
+    ) -> DataParallelStep:
+        """The message of a step: each replica's part of the batch (a replica with nothing
+        scheduled gets an empty StepInput). choose_cp_algo(part): the ring of a replica's
+        part, under context parallelism."""
+        parts = [ScheduledBatch([], []) for _ in self.replicas]
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            parts[seq.replica].seqs.append(seq)
+            parts[seq.replica].num_tokens.append(n)
+        steps = []
+        for part, scheduler in zip(parts, self.replicas):
+            if not part:
+                steps.append(StepInput([], [], [], [], []))
+                continue
+            step = StepInput.from_batch(part, scheduler.block_manager.layout)
+            if choose_cp_algo is not None:
+                step.cp_algo = choose_cp_algo(part)
+            steps.append(step)
+        return DataParallelStep(steps)

@@ -1,8 +1,8 @@
 """One step of every data-parallel replica: rank 0 builds it, each rank runs its replica's
 part, and the replicas' logits come back to rank 0.
 
-Rank 0 schedules every replica (engine/dp_scheduler.py) and sends one `DataParallelStep` to
-all ranks; each rank runs the StepInput of its own replica on its own runner (rows and
+Rank 0 schedules every replica and builds the step (DataParallelScheduler.step_input, in
+engine/dp_scheduler.py), then sends one `DataParallelStep` to all ranks; each rank runs the StepInput of its own replica on its own runner (rows and
 blocks are the replica's). The replica leaders (cp_rank 0, tp_rank 0, which hold their
 replica's full logits) gather them to rank 0 over their dp group, where they are put in
 the order the engine reads: every replica's sampled rows, replica after replica, then
@@ -21,13 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ringserve.engine.runner import StepInput
-from ringserve.engine.scheduler import ScheduledBatch, Scheduler
+from ringserve.engine.step_input import StepInput
 from ringserve.model import Transformer
-
-
-def _empty_step() -> StepInput:
-    return StepInput([], [], [], [], [])
 
 
 @dataclass
@@ -35,25 +30,6 @@ class DataParallelStep:
     """replicas[r]: what replica r computes this step (no rows: nothing)."""
 
     replicas: list[StepInput]
-
-    @classmethod
-    def from_batch(cls, batch: ScheduledBatch, schedulers: list[Scheduler], choose_cp_algo=None):
-        """batch: the replicas' sequences, replica after replica (DataParallelScheduler.schedule);
-        choose_cp_algo(part) -> the ring of a replica's part, under context parallelism."""
-        parts = [ScheduledBatch([], []) for _ in schedulers]
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            parts[seq.replica].seqs.append(seq)
-            parts[seq.replica].num_tokens.append(n)
-        steps = []
-        for part, scheduler in zip(parts, schedulers):
-            if not part:
-                steps.append(_empty_step())
-                continue
-            step = StepInput.from_batch(part, scheduler.block_manager.layout)
-            if choose_cp_algo is not None:
-                step.cp_algo = choose_cp_algo(part)
-            steps.append(step)
-        return cls(steps)
 
     # The step as one StepInput of the whole batch, for the engine (sampling, prompt logprobs).
 

@@ -10,107 +10,39 @@ import collections
 import itertools
 import logging
 import numbers
-import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 
 from ringserve import chat
 from ringserve.config import EngineConfig, ModelConfig, ParallelConfig, resolve_dtype
 from ringserve.engine.block_manager import BlockManager
+from ringserve.engine.cp_policy import CPPolicy
 from ringserve.engine.detokenizer import IncrementalDetokenizer
 from ringserve.engine.dp_scheduler import DataParallelScheduler
-from ringserve.engine.dp_step import DataParallelStep
-from ringserve.engine.executor import (
-    LocalExecutor,
-    MultiprocessExecutor,
-    WorkerError,
-    WorkerSpec,
-    run_torchrun_rank,
-    torchrun_env,
+from ringserve.engine.executor import WorkerError, WorkerSpec
+from ringserve.engine.launched_step import LaunchedStep
+from ringserve.engine.loading import (
+    check_parallel_layout,
+    eos_token_ids,
+    load_tokenizer,
+    resolve_device,
+    resolve_model_path,
+    start_executor,
 )
 from ringserve.engine.logprobs import DeviceLogprobs, token_logprobs
-from ringserve.engine.runner import StepInput
+from ringserve.engine.request_checks import check_params, check_prompt
 from ringserve.engine.sampler import sample_on_device
 from ringserve.engine.scheduler import ScheduledBatch, Scheduler
 from ringserve.engine.sequence import PENDING_TOKEN, Sequence
-from ringserve.errors import ModelLoadError, RequestError, RequestTooLargeError
-from ringserve.gguf_import import builtin_model_path, converted_folder
+from ringserve.engine.step_input import StepInput
+from ringserve.errors import RequestError, RequestTooLargeError
 from ringserve.options import EngineOptions
-from ringserve.outputs import RequestOutput, TokenLogprob
-from ringserve.parallel.cp import CPCalibration, choose_cp_algo
-from ringserve.parallel.mesh import Mesh
-from ringserve.parallel.tp import validate_tp
+from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_model_path(model: str | None, show_progress: bool = False) -> str:
-    """A Hugging Face folder for `model`: a folder as is, a .gguf file converted (with a
-    progress bar when show_progress), None the built-in."""
-    if model is None:
-        return converted_folder(builtin_model_path(), show_progress)
-    if os.path.isfile(model) and model.endswith(".gguf"):
-        return converted_folder(model, show_progress)
-    if os.path.isdir(model):
-        return model
-    raise ModelLoadError(
-        f"model not found: {model!r} is neither a folder with config.json and safetensors "
-        "nor a .gguf file (models are loaded from local paths, not downloaded)"
-    )
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' was asked for, but PyTorch sees no CUDA GPU")
-    return device
-
-
-@dataclass
-class _LaunchedStep:
-    """A step on its way through the device: its tokens are sampled there and read later."""
-
-    batch: ScheduledBatch
-    sampling: list[Sequence]  # the sequences that sample, in the order of `tokens`
-    tokens: torch.Tensor  # [S] int64 on the device
-    # (rows of `tokens` whose request asked for logprobs, their logprobs on the device)
-    logprobs: tuple[list[int], DeviceLogprobs] | None
-    no_token: list[Sequence]  # max_tokens=0: end after this step's prefill without a token
-    failed: list[tuple[Sequence, Exception]]  # sequences whose sampling failed: they end alone
-    row_of: dict[str, int] = field(init=False)  # request id -> its row of `tokens`
-    _host: torch.Tensor = field(init=False)  # [S] int64, the tokens' copy on the host
-    _ready: torch.cuda.Event | None = field(init=False)
-
-    def __post_init__(self):
-        self.row_of = {seq.request_id: i for i, seq in enumerate(self.sampling)}
-        if self.tokens.is_cuda:  # start the copy now; read_tokens waits for it alone
-            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
-            self._host.copy_(self.tokens, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-        else:
-            self._host, self._ready = self.tokens, None
-
-    def read_tokens(self) -> list[int]:
-        if self._ready is not None:
-            self._ready.synchronize()
-        return self._host.tolist()
-
-    def read_logprobs(self) -> list[TokenLogprob | None] | None:
-        """Per row of `tokens`, the logprobs its request asked for (None: none asked)."""
-        if self.logprobs is None:
-            return None
-        rows, device_logprobs = self.logprobs
-        result: list[TokenLogprob | None] = [None] * len(self.sampling)
-        for row, lp in zip(rows, device_logprobs.read()):
-            result[row] = lp
-        return result
 
 
 class LLMEngine:
@@ -168,21 +100,7 @@ class LLMEngine:
         self.model_path = resolve_model_path(options.model, self.show_progress)
         self.device = resolve_device(options.device)
         self.model_config = config = ModelConfig.from_pretrained(self.model_path)
-        # Refuse what cannot work before any process starts or any weight is read.
-        if parallel.tp > 1:
-            validate_tp(config, parallel.tp)
-        gpus = torch.cuda.device_count() if self.device.type == "cuda" else 0
-        if self.device.type == "cuda" and torchrun_env() is None and parallel.world_size > gpus:
-            raise ValueError(
-                f"dp x cp x tp = {parallel.dp} x {parallel.cp} x {parallel.tp} = {parallel.world_size} "
-                f"ranks need as many GPUs on this host (without torchrun); this machine has {gpus}"
-            )
-        if parallel.ep > 1 and (not config.is_moe or config.num_experts % parallel.ep):
-            raise ValueError(
-                f"ep={parallel.ep} needs a mixture-of-experts model whose experts divide evenly; "
-                f"{config.architecture} has {config.num_experts} experts"
-            )
-        Mesh.of(parallel)  # raises for hosts (ranks_per_host) the layout cannot fill evenly
+        check_parallel_layout(config, parallel, self.device)  # before any process or weight
         self.dtype = resolve_dtype(options.dtype, config.dtype, self.device)
         self.max_model_len = ec.max_model_len or config.max_position_embeddings
         spec = WorkerSpec(
@@ -196,18 +114,10 @@ class LLMEngine:
             options.allreduce,
             options.timeout_s,
         )
-        if parallel.world_size > 1 or torchrun_env() is not None:
-            if weights is not None:
-                raise ValueError("in-memory weights are only supported on one rank")
-            env = torchrun_env()
-            if env is not None and env[0] != 0:
-                run_torchrun_rank(spec)  # serves rank 0's steps, then ends this process
-            self.executor = MultiprocessExecutor(spec, self.show_progress)
-        else:
-            self.executor = LocalExecutor(spec, self.device, self.show_progress, weights)
-        self.tokenizer = _load_tokenizer(self.model_path)
-        self.eos_token_ids = _eos_token_ids(self.model_path, config, self.tokenizer)
-        self.cp_calibration = CPCalibration.load(self.device.type)
+        self.executor = start_executor(spec, self.device, self.show_progress, weights)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.eos_token_ids = eos_token_ids(self.model_path, config, self.tokenizer)
+        self.cp_policy = CPPolicy(self.cp_algo, parallel.cp, config, self.dtype, self.device.type)
         num_blocks = self.executor.num_blocks * parallel.cp  # each CP rank has its own pool
         # One scheduler and KV-cache pool per data-parallel replica (each its own requests).
         self.replicas = [
@@ -226,7 +136,7 @@ class LLMEngine:
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits are not)
         self.cp_steps: collections.Counter[str] = collections.Counter()  # steps per ring that ran
         self.async_scheduling = options.resolved_async_scheduling(self.device)
-        self._inflight: _LaunchedStep | None = None  # launched, its tokens not read yet
+        self._inflight: LaunchedStep | None = None  # launched, its tokens not read yet
         self._undelivered: list[RequestOutput] = []  # read by a step that then raised
         self.steps_scheduled_ahead = 0  # steps launched before the previous one's tokens were read
         logger.info(
@@ -306,7 +216,7 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt, chat)
-        self._check_prompt(token_ids)
+        self.check_prompt(token_ids)
         self.check_params(params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.seqs:
@@ -319,39 +229,19 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
-    def _check_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise RequestError("the prompt is empty")
-        blocks = -(-len(token_ids) // self.block_manager.block_size)
-        if blocks > self.block_manager.num_blocks:
-            raise RequestError(
-                f"the prompt has {len(token_ids)} tokens, more than the whole KV cache holds "
-                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})"
-            )
-        if len(token_ids) >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(token_ids)} tokens, but the model's context is "
-                f"{self.max_model_len} (max_model_len) including at least one new token"
-            )
-        vocab = self.model_config.vocab_size
-        # type(t) is int: a float or bool id would pass the range test and fail inside a step.
-        bad = [t for t in token_ids if type(t) is not int or not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token ids out of the vocabulary (0..{vocab - 1}) or not integers: {bad[:5]}")
+    def check_prompt(self, token_ids: list[int]) -> None:
+        """A prompt this engine can serve (request_checks.py); RequestError says why not."""
+        check_prompt(
+            token_ids,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            num_blocks=self.block_manager.num_blocks,
+            block_size=self.block_manager.block_size,
+        )
 
     def check_params(self, params: SamplingParams) -> None:
         """Sampling parameters this model can serve; RequestError names the field."""
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params.verify()  # again: a field may have changed since construction
-        if params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"max_tokens={params.max_tokens} can never be reached: the model's context is "
-                f"{self.max_model_len} tokens (max_model_len), prompt included"
-            )
-        vocab = self.model_config.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise RequestError(f"logprobs={params.logprobs} is more than the vocabulary's {vocab} tokens")
+        check_params(params, max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size)
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -402,11 +292,11 @@ class LLMEngine:
             outputs += self._finish_step(launched)
         return outputs
 
-    def _launch(self, batch: ScheduledBatch, inflight: _LaunchedStep | None) -> _LaunchedStep:
+    def _launch(self, batch: ScheduledBatch, inflight: LaunchedStep | None) -> LaunchedStep:
         """Send a step to the device and sample it there; nothing waits for the device."""
         choose_cp_algo = self._choose_cp_algo if self.parallel.cp > 1 else None
-        if self.parallel.dp > 1:
-            step = DataParallelStep.from_batch(batch, self.replicas, choose_cp_algo)
+        if self.parallel.dp > 1:  # each replica's part of the step, its own ring under CP
+            step = self.scheduler.step_input(batch, choose_cp_algo)
         else:
             step = StepInput.from_batch(batch, self.block_manager.layout)
             if choose_cp_algo is not None:
@@ -439,9 +329,9 @@ class LLMEngine:
         if errors:
             logits, sampling = logits[kept], [sampling[i] for i in kept]
         logprobs = _sampled_logprobs(logits, sampling, tokens)
-        return _LaunchedStep(batch, sampling, tokens, logprobs, no_token, failed)
+        return LaunchedStep(batch, sampling, tokens, logprobs, no_token, failed)
 
-    def _commit(self, launched: _LaunchedStep) -> list[RequestOutput]:
+    def _commit(self, launched: LaunchedStep) -> list[RequestOutput]:
         """The host's record of a launched step: computed tokens, full blocks offered to the
         prefix cache, and a placeholder for each token sampled but not read yet. Returns the
         outputs of requests that end without a token (max_tokens=0)."""
@@ -460,7 +350,7 @@ class LLMEngine:
         outputs = [self._finish_without_token(seq) for seq in launched.no_token if not seq.finished]
         return outputs + [self._fail_request(seq, e) for seq, e in launched.failed if not seq.finished]
 
-    def _finish_step(self, launched: _LaunchedStep) -> list[RequestOutput]:
+    def _finish_step(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens (the one host sync of a step) and make its outputs."""
         tokens = launched.read_tokens()
         logprobs = launched.read_logprobs()
@@ -522,30 +412,10 @@ class LLMEngine:
         self.seqs.pop(seq.request_id, None)
         return out
 
-    def _choose_cp_algo(self, batch) -> str:
+    def _choose_cp_algo(self, batch: ScheduledBatch) -> str:
         """The ring of a step (of one replica's part of it), counted in cp_steps."""
-        algo = self._cp_algo_for(batch)
+        algo = self.cp_policy.choose(batch)
         self.cp_steps[algo] += 1
-        return algo
-
-    def _cp_algo_for(self, batch) -> str:
-        if self.cp_algo != "auto":
-            return self.cp_algo
-        c = self.model_config
-        new = sum(batch.num_tokens)
-        cached = sum(seq.num_computed_tokens for seq in batch.seqs)
-        algo = choose_cp_algo(
-            new,
-            cached,
-            self.parallel.cp,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            torch.empty((), dtype=self.dtype).element_size(),
-            self.cp_calibration,
-        )
-        logger.debug(
-            "cp step: %d new, %d cached tokens over %d ranks -> %s", new, cached, self.parallel.cp, algo
-        )
         return algo
 
     def _check_finished(self, seq: Sequence, token: int) -> None:
@@ -634,30 +504,3 @@ def _sampled_logprobs(
     index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
     num_top = [seqs[i].params.logprobs for i in rows]
     return rows, DeviceLogprobs.compute(logits.index_select(0, index), tokens.index_select(0, index), num_top)
-
-
-def _load_tokenizer(folder: str):
-    if not any(
-        os.path.isfile(os.path.join(folder, f))
-        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    ):
-        logger.warning("%s has no tokenizer: prompts must be token ids", folder)
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
-
-
-def _eos_token_ids(folder: str, config: ModelConfig, tokenizer) -> set[int]:
-    """EOS ids from config.json, generation_config.json and the tokenizer, together."""
-    ids = set(config.eos_token_ids)
-    path = os.path.join(folder, "generation_config.json")
-    if os.path.isfile(path):
-        import json
-
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids

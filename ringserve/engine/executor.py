@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ringserve.config import EngineConfig, ModelConfig, ParallelConfig
-from ringserve.engine.runner import StepInput
+from ringserve.engine.step_input import StepInput
 from ringserve.engine.worker import Worker
 from ringserve.errors import RingserveError
 from ringserve.parallel.comm import broadcast_object

@@ -1,4 +1,4 @@
-"""The paged KV cache tensors and the attention that reads and writes them.
+"""The paged KV cache tensors (the attention that reads and writes them: forward_context.py).
 
 Layout per layer: k and v [(num_blocks + 1) * block_size, NKV, D]; token t of a sequence
 lives in slot block_table[t // block_size] * block_size + t % block_size. The extra last
@@ -7,14 +7,7 @@ block is never handed out: padded rows of a CUDA-graph batch write their KV ther
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
-
-from ringserve.attention import VarlenBatch, attention_with_lse
-from ringserve.kernels import store_kv
-from ringserve.paged_attention import PagedBatch, paged_attention
 
 
 class KVCache:
@@ -40,64 +33,3 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
-
-
-@dataclass
-class _StepContext:
-    """What every ForwardContext of a step shares: the cache, and the TP and expert ops."""
-
-    kv_cache: KVCache
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token (this rank's, under CP)
-    tp_all_reduce: Callable[[torch.Tensor], torch.Tensor]  # the sum over tensor-parallel ranks
-    experts: Callable  # LocalExperts or ExpertParallel (parallel/ep.py)
-
-    def write_kv(self, layer: int, k, v):
-        """Store the new tokens' KV; returns this layer's cache tensors."""
-        k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
-        store_kv(k, v, k_cache, v_cache, self.slot_mapping)
-        return k_cache, v_cache
-
-    def all_reduce(self, x):
-        return self.tp_all_reduce(x)
-
-    def run_experts(self, experts, x, expert_ids, weights):
-        return self.experts(experts, x, expert_ids, weights)
-
-
-@dataclass(kw_only=True)
-class PagedAttentionContext(_StepContext):
-    """ForwardContext of one step on one rank: new KV goes to its slots, then
-
-    - dense: every sequence is a fresh prompt, its keys exactly this step's tokens: dense
-      varlen attention over the new k and v (the cache is only written);
-    - otherwise (decode, chunks after a cached prefix, mixed steps): paged attention reads
-      every sequence's keys in place through its block table.
-    """
-
-    scale: float
-    dense: VarlenBatch | None = None
-    paged: PagedBatch | None = None
-    block_tables: torch.Tensor | None = None  # [rows, max_blocks] int32, the runner's
-
-    def attend(self, layer: int, q, k, v):
-        k_cache, v_cache = self.write_kv(layer, k, v)
-        if self.dense is not None:
-            out, _ = attention_with_lse(q, k, v, self.dense, self.scale)
-        else:
-            out, _ = paged_attention(
-                q, k_cache, v_cache, self.block_tables, self.paged, self.kv_cache.block_size, self.scale
-            )
-        return out
-
-
-@dataclass(kw_only=True)
-class RingAttentionContext(_StepContext):
-    """ForwardContext of one step on one CP rank: this rank's new KV goes to its slots; its
-    queries meet every rank's keys through the ring (pass-KV or pass-Q)."""
-
-    local_slots: torch.Tensor  # [K_mine] local slots of every key this rank holds, per sequence
-    ring: Callable  # (q, k_local, v_local) -> out
-
-    def attend(self, layer: int, q, k, v):
-        k_cache, v_cache = self.write_kv(layer, k, v)
-        return self.ring(q, k_cache[self.local_slots], v_cache[self.local_slots])

@@ -2,85 +2,18 @@
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 
 from ringserve.attention import VarlenBatch
-from ringserve.engine.kv_cache import KVCache, PagedAttentionContext, RingAttentionContext
-from ringserve.engine.scheduler import ScheduledBatch
+from ringserve.engine.forward_context import PagedAttentionContext, RingAttentionContext
+from ringserve.engine.kv_cache import KVCache
+from ringserve.engine.step_input import StepInput
 from ringserve.engine.step_state import BlockTables, fill_pending_tokens
 from ringserve.model import Transformer
 from ringserve.paged_attention import PagedBatch, decode_splits, tile_queries
 from ringserve.parallel.comm import all_gather_stacked
 from ringserve.parallel.cp import RingAttention, RingStep
-from ringserve.parallel.cp_layout import CPLayout, CPStep
-
-
-@dataclass
-class StepInput:
-    """What every rank needs to run one step: plain lists, cheap to send to other ranks.
-
-    Only what changed travels: a sequence's new tokens, and the blocks its row of the
-    runners' block tables gained since the last step (all of them when it takes a row);
-    under context parallelism, the CP layout's account of the step instead (`cp`).
-    """
-
-    rows: list[int]  # each sequence's row of the runners' step state
-    token_ids: list[list[int]]  # each sequence's new tokens
-    starts: list[int]  # each sequence's tokens already in the cache (position of its first new token)
-    sample: list[bool]  # whether the sequence's last known token is among its new ones
-    table_updates: list[tuple[int, int, list[int]]]  # (row, first column, new block ids)
-    cp_algo: str = "pass_kv"  # the ring for this step under context parallelism
-    cp: CPStep | None = None  # under context parallelism: each rank's blocks and new tokens
-    # (sequence index in this step, first, count): new tokens whose logits score the prompt
-    # (prompt_logprobs), beyond the sampled ones; empty unless a request asked.
-    scored: list[tuple[int, int, int]] = field(default_factory=list)
-    # (index among the step's new tokens, row of the previous step's sampled ids): tokens
-    # that were sampled on the device and not read by the host yet (async scheduling)
-    pending: list[tuple[int, int]] = field(default_factory=list)
-
-    @classmethod
-    def from_batch(cls, batch: ScheduledBatch, layout: CPLayout | None = None) -> StepInput:
-        """The step's message; marks each sequence's blocks as sent to the runners.
-        layout: the block manager's, which speaks for the blocks when there are CP ranks."""
-        rows, token_ids, starts, sample, scored = [], [], [], [], []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            start = seq.num_computed_tokens
-            rows.append(seq.row)
-            token_ids.append(seq.token_slice(start, start + n))
-            starts.append(start)
-            sample.append(start + n == seq.num_tokens)
-            if seq.prompt_logprobs is not None:
-                first, count = seq.prompt_logits_wanted(start, n)
-                if count:
-                    scored.append((i, first, count))
-        if layout is not None and layout.num_ranks > 1:
-            cp = layout.step(batch.seqs, batch.num_tokens)
-            return cls(rows, token_ids, starts, sample, [], cp=cp, scored=scored)
-        updates = []
-        for seq in batch.seqs:
-            if len(seq.block_table) > seq.num_synced_blocks:
-                updates.append((seq.row, seq.num_synced_blocks, seq.block_table[seq.num_synced_blocks :]))
-                seq.num_synced_blocks = len(seq.block_table)
-        return cls(rows, token_ids, starts, sample, updates, scored=scored)
-
-    @property
-    def is_decode(self) -> bool:
-        """One new token per sequence, every one sampling: the shape CUDA graphs replay."""
-        return all(len(t) == 1 for t in self.token_ids) and all(self.sample) and not self.scored
-
-    def logit_rows(self) -> list[int]:
-        """Packed new-token rows whose logits the step returns: the last row of each sampling
-        sequence, then the scored rows (in `scored` order)."""
-        ends = list(itertools.accumulate(len(t) for t in self.token_ids))
-        rows = [end - 1 for end, sample in zip(ends, self.sample) if sample]
-        for i, first, count in self.scored:
-            begin = ends[i] - len(self.token_ids[i]) + first
-            rows += range(begin, begin + count)
-        return rows
 
 
 class ModelRunner:

@@ -147,8 +147,10 @@ def _gumbel_triton(key, key2, vocab_size: int) -> torch.Tensor:
     tensor ops (3.1 ms for 64 x 128256 on an H200 before)."""
     out = torch.empty(key.shape[0], vocab_size, dtype=torch.float32, device=key.device)
     block = 1024
+    # The keys are columns of one [S, 4] tensor (SamplingTensors.from_seqs): strided, so the
+    # kernel is given their strides (read as if contiguous, rows took other rows' fields).
     _gumbel_kernel[(key.shape[0], triton.cdiv(vocab_size, block))](
-        key, key2, out, out.stride(0), vocab_size, BLOCK=block, num_warps=4
+        key, key.stride(0), key2, key2.stride(0), out, out.stride(0), vocab_size, BLOCK=block, num_warps=4
     )
     return out
 
@@ -172,11 +174,13 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _gumbel_kernel(key_ptr, key2_ptr, out_ptr, stride_out, vocab_size, BLOCK: tl.constexpr):
+    def _gumbel_kernel(
+        key_ptr, stride_key, key2_ptr, stride_key2, out_ptr, stride_out, vocab_size, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0)
         index = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        key = tl.load(key_ptr + row).to(tl.uint32)
-        key2 = tl.load(key2_ptr + row).to(tl.uint32)
+        key = tl.load(key_ptr + row * stride_key).to(tl.uint32)
+        key2 = tl.load(key2_ptr + row * stride_key2).to(tl.uint32)
         h = _mix32_tl(_mix32_tl(key ^ index.to(tl.uint32)) ^ key2)
         # float64 as in _gumbel: in float32, u near 1 rounds to 1.0, and the GPU's fast log
         # loses -log(u) there, where the largest noise (the argmax's winner) comes from.
@@ -204,7 +208,9 @@ def filtered_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     sorted_vals = sorted_vals.masked_fill(drop, float("-inf"))
     probs = torch.softmax(sorted_vals, dim=-1)
     before = torch.cumsum(probs, dim=-1) - probs  # mass of the likelier tokens
-    drop |= before >= t.top_p[:, None]  # never the top token: 0 before it, top_p > 0, k >= 1
+    # Never the top token: 0 before it, top_p > 0, k >= 1. Rows with top_p = 1 drop nothing
+    # here: their float32 cumulative sum can round to 1.0 before the tail ends.
+    drop |= (before >= t.top_p[:, None]) & (t.top_p[:, None] < 1.0)
     drop = torch.zeros_like(drop).scatter_(1, order, drop)  # back to vocabulary order
     return scaled.masked_fill(drop, float("-inf"))
 

@@ -12,7 +12,8 @@ from ringserve.config import EngineConfig, ModelConfig, TPShard
 from ringserve.engine.dp_step import DataParallelStep, run_replica_step
 from ringserve.engine.graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from ringserve.engine.kv_cache import KVCache
-from ringserve.engine.runner import ModelRunner, StepInput
+from ringserve.engine.runner import ModelRunner
+from ringserve.engine.step_input import StepInput
 from ringserve.parallel.allreduce import AllReduce
 from ringserve.parallel.comm import wait_interruptibly
 from ringserve.parallel.ep import ExpertParallel, LocalExperts

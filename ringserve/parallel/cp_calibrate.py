@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ringserve.attention import _dense_block
+from ringserve.attention import dense_block
 from ringserve.measurements import DEFAULT_REPEATS, save_measurement, save_unless_contradicted
 from ringserve.parallel.cp import CPCalibration
 from ringserve.parallel.local_world import run_local_world
@@ -42,7 +42,7 @@ def measure_attention_flops(device_type: str, repeats: int = DEFAULT_REPEATS) ->
         if device_type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        _dense_block(q, k, v, False, dim**-0.5)
+        dense_block(q, k, v, False, dim**-0.5)
         if device_type == "cuda":
             torch.cuda.synchronize()
         if i >= _WARMUP:

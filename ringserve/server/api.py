@@ -179,7 +179,7 @@ class Server:
 
     def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
         try:
-            self.engine._check_prompt(token_ids)
+            self.engine.check_prompt(token_ids)
         except RequestError as e:
             raise ApiError(400, str(e), param) from None
 

@@ -24,9 +24,7 @@ from ringserve.engine.sequence import Sequence
 from ringserve.options import OptionError
 from ringserve.server.async_engine import AsyncEngine
 from ringserve.server.metrics import Metrics
-
-from conftest import hf_model
-from helpers import hf_greedy
+from ringserve.tiny_models import hf_greedy, hf_model
 
 ENGINE = dict(device="cpu", dtype="float32", block_size=4, timeout_s=60)
 

@@ -2,11 +2,12 @@
 part, and the replicas' logits come back to rank 0.
 
 Rank 0 schedules every replica and builds the step (DataParallelScheduler.step_input, in
-engine/dp_scheduler.py), then sends one `DataParallelStep` to all ranks; each rank runs the StepInput of its own replica on its own runner (rows and
-blocks are the replica's). The replica leaders (cp_rank 0, tp_rank 0, which hold their
-replica's full logits) gather them to rank 0 over their dp group, where they are put in
-the order the engine reads: every replica's sampled rows, replica after replica, then
-every replica's scored (prompt logprobs) rows.
+engine/dp_scheduler.py), then sends one `DataParallelStep` to all ranks; each rank runs the
+StepInput of its own replica on its own runner (rows and blocks are the replica's). The
+replica leaders (cp_rank 0, tp_rank 0, which hold their replica's full logits) gather them
+to rank 0 over their dp group, where they are put in the order the engine reads: every
+replica's sampled rows, replica after replica, then every replica's scored (prompt
+logprobs) rows.
 
 When the EP groups span replicas (ParallelConfig.ep_spans_dp), every MoE layer's dispatch
 and combine needs every rank: a replica with nothing scheduled still joins each of them,

@@ -3,6 +3,7 @@ tiny models through the engine against transformers on the same GPU."""
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 
 import torch
@@ -13,6 +14,7 @@ from ringserve import (
     lse_merge,
 )
 from ringserve.attention import VarlenBatch, _math_varlen, attention_with_lse
+from ringserve.config import AttentionWindow
 from ringserve.engine.engine import LLMEngine
 from ringserve.engine.logits_probe import engine_logits
 from ringserve.tiny_models import (
@@ -36,7 +38,13 @@ def check_attention():
         "long chunks after prefix (cuDNN)": ([600, 512], [2048, 900]),
         "decode": ([1] * 8, [33, 900, 1, 64, 2048, 7, 100, 513]),
     }
-    for name, (lq, lk) in cases.items():
+    windows = {
+        "": AttentionWindow(),
+        ", sliding 128": AttentionWindow(sliding=128),
+        ", chunk 256": AttentionWindow(chunk=256),
+    }
+    for (name, (lq, lk)), (window_name, window) in itertools.product(cases.items(), windows.items()):
+        name += window_name
         q = torch.randn(sum(lq), nh, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(sum(lk), nkv, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(sum(lk), nkv, d, device="cuda", dtype=torch.bfloat16)
@@ -46,10 +54,10 @@ def check_attention():
         k_pos = torch.cat([torch.arange(b) for b in lk]).cuda()
         bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
         batch = VarlenBatch(cu_q, cu_k, max(lq), max(lk), q_pos, k_pos, True, bounds_q, bounds_k)
-        out, lse = attention_with_lse(q, k, v, batch, d**-0.5)
-        ref_out, ref_lse = _math_varlen(q, k, v, batch, d**-0.5)
+        out, lse = attention_with_lse(q, k, v, batch, d**-0.5, window)
+        ref_out, ref_lse = _math_varlen(q, k, v, batch, d**-0.5, window)
         e_out, e_lse = rel(out, ref_out), (lse - ref_lse).abs().max().item()
-        print(f"attention {name:20s} out rel err {e_out:.1e}  lse max abs err {e_lse:.1e}")
+        print(f"attention {name:40s} out rel err {e_out:.1e}  lse max abs err {e_lse:.1e}")
         assert e_out < 2e-2 and e_lse < 2e-2, name
 
 
@@ -209,7 +217,15 @@ def check_paged():
         "decode, no split": ([1] * 3, [33, 900, 4000], 1),
         "chunks after a prefix, mixed": ([1, 200, 37, 1], [700, 900, 37, 12], 1),
     }
-    for name, (q_lens, seq_lens, splits) in cases.items():
+    windows = {
+        "": AttentionWindow(),
+        ", sliding 128": AttentionWindow(sliding=128),
+        ", chunk 256": AttentionWindow(chunk=256),
+    }
+    for (name, (q_lens, seq_lens, splits)), (window_name, window) in itertools.product(
+        cases.items(), windows.items()
+    ):
+        name += window_name
         blocks = sum(-(-n // bs) for n in seq_lens)
         k_cache = torch.randn(blocks * bs, nkv, d, device="cuda", dtype=torch.bfloat16)
         v_cache = torch.randn(blocks * bs, nkv, d, device="cuda", dtype=torch.bfloat16)
@@ -230,12 +246,12 @@ def check_paged():
 
         rows = list(range(len(q_lens)))
         batch = pa.PagedBatch(i32(rows), i32(cu), i32(seq_lens), i32(tile_seq), i32(tile_q0), qpt, splits)
-        out, lse = pa.paged_attention(q, k_cache, v_cache, tables, batch, bs, d**-0.5)
+        out, lse = pa.paged_attention(q, k_cache, v_cache, tables, batch, bs, d**-0.5, window)
         ref_out, ref_lse = pa.paged_attention_reference(
-            q.float(), k_cache.float(), v_cache.float(), tables, batch, bs, d**-0.5
+            q.float(), k_cache.float(), v_cache.float(), tables, batch, bs, d**-0.5, window
         )
         e_out, e_lse = rel(out, ref_out), (lse - ref_lse).abs().max().item()
-        print(f"paged {name:30s} out rel err {e_out:.1e}  lse max abs err {e_lse:.1e}")
+        print(f"paged {name:45s} out rel err {e_out:.1e}  lse max abs err {e_lse:.1e}")
         assert e_out < 1e-2 and e_lse < 2e-2, name
 
 

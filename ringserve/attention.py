@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ringserve.attention_plan import AttentionPlan, Block, plan_attention, plan_seen
+from ringserve.config import FULL_ATTENTION, AttentionWindow
+from ringserve.local_attention import masked_block, windowed_suffix_attention
 from ringserve.lse_merge import merge_partials
 
 
@@ -41,6 +43,13 @@ class VarlenBatch:
     # [Tq] int64 on the device and the host; the keys' positions are then never needed.
     seen_keys: torch.Tensor | None = None
     seen_keys_host: torch.Tensor | None = None
+    # With a window: how many of those first keys each query does not see (before its
+    # window), [Tq] int64 on the device and the host; it sees keys first .. seen - 1.
+    first_keys: torch.Tensor | None = None
+    first_keys_host: torch.Tensor | None = None
+    # causal_suffix batches whose keys do not start at position 0 (pages gathered from the
+    # first block a window sees): each sequence's first key position, host ints.
+    k_offsets: list[int] | None = None
     _plan: AttentionPlan | None = None  # made once per batch (a ring step's batch serves every layer)
 
     @property
@@ -51,8 +60,12 @@ class VarlenBatch:
         if self._plan is None:
             if self.seen_keys_host is not None:
                 bounds = zip(self.q_bounds[:-1], self.q_bounds[1:])
+                bounds = list(bounds)
                 seen = [self.seen_keys_host[q0:q1] for q0, q1 in bounds]
-                self._plan = plan_seen(self.q_bounds, self.k_bounds, seen)
+                first = None
+                if self.first_keys_host is not None:
+                    first = [self.first_keys_host[q0:q1] for q0, q1 in bounds]
+                self._plan = plan_seen(self.q_bounds, self.k_bounds, seen, first)
             else:
                 self._plan = plan_attention(
                     self.q_bounds, self.k_bounds, self.q_positions_host, self.k_positions_host
@@ -60,20 +73,26 @@ class VarlenBatch:
         return self._plan
 
 
-def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float):
-    """Causal attention of packed queries over packed keys; returns (out, lse)."""
+def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float, window: AttentionWindow = FULL_ATTENTION):
+    """Causal attention of packed queries over packed keys, each query seeing only the keys
+    its window lets it (sliding window, attention chunk); returns (out, lse)."""
+    if not window.is_full:
+        if batch.causal_suffix and batch.q_bounds is not None:
+            return windowed_suffix_attention(q, k, v, batch, scale, window)
+        if batch.first_keys is None:  # positions, not counts: the explicit mask
+            return _math_varlen(q, k, v, batch, scale, window)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and batch.causal_suffix:
         # cuDNN is the fastest kernel with LSE on Hopper (about twice the flash kernel at
         # long lengths), called per sequence: for whole prompts, and for long chunks after a
         # cached prefix (chunked prefill, follow-up turns). Batches with short or many rows
         # (decode, mixed steps) take one flash varlen call.
         if batch.q_bounds is not None and (batch.q_bounds == batch.k_bounds or _long_chunks(batch.q_bounds)):
-            return _dense_per_sequence(q, k, v, batch.q_bounds, batch.k_bounds, scale)
+            return dense_per_sequence(q, k, v, batch.q_bounds, batch.k_bounds, scale)
         return _flash_varlen(q, k, v, batch, scale)
     if not q.is_cuda and batch.causal_suffix and batch.q_bounds is not None:
         # PyTorch's flash kernel for the CPU, per sequence (every step the engine runs on a
         # CPU: prompts, chunks, decode rows); it never holds a [Lq, Lk] score matrix.
-        return _dense_per_sequence(q, k, v, batch.q_bounds, batch.k_bounds, scale)
+        return dense_per_sequence(q, k, v, batch.q_bounds, batch.k_bounds, scale)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and batch.plannable:
         return _planned(q, k, v, batch.plan(), batch, scale)
     return _math_varlen(q, k, v, batch, scale)
@@ -121,6 +140,8 @@ def _planned(q, k, v, plan: AttentionPlan, batch: VarlenBatch, scale: float):
     for group in plan.groups:
         q0, q1 = group[0].q0, group[0].q1
         out[q0:q1], lse[q0:q1] = _attend_group(q, k, v, group, scale)
+    for q0, q1, k0, k1, visible in plan.banded:  # a window's band: one masked tile
+        out[q0:q1], lse[q0:q1] = masked_block(q[q0:q1], k[k0:k1], v[k0:k1], visible, scale)
     for q0, q1, k0, k1 in plan.masked:  # keys out of order: the explicit mask
         sub = VarlenBatch(
             torch.tensor([0, q1 - q0]),
@@ -211,7 +232,7 @@ def dense_block(q, k, v, causal: bool, scale: float):
     return out[0].transpose(0, 1), lse[0].reshape(q.shape[1], q.shape[0]).transpose(0, 1)
 
 
-def _dense_per_sequence(q, k, v, q_bounds: list[int], k_bounds: list[int], scale: float):
+def dense_per_sequence(q, k, v, q_bounds: list[int], k_bounds: list[int], scale: float):
     """Each sequence's queries are its last keys' positions (causal_suffix), one dense call
     or two per sequence: cuDNN on a GPU, the flash kernel on a CPU. Both causal flags are
     top-left aligned, so a chunk after a cached prefix is two calls: the prefix unmasked,
@@ -237,7 +258,7 @@ def _dense_per_sequence(q, k, v, q_bounds: list[int], k_bounds: list[int], scale
     return out, lse
 
 
-_cudnn_per_sequence = _dense_per_sequence  # its name on the GPU only (bench/bench_ring_calls.py)
+_cudnn_per_sequence = dense_per_sequence  # its name on the GPU only (bench/bench_ring_calls.py)
 
 
 def _flash_varlen(q, k, v, batch: VarlenBatch, scale: float):
@@ -258,7 +279,32 @@ def _flash_varlen(q, k, v, batch: VarlenBatch, scale: float):
     return out, lse.transpose(0, 1)
 
 
-def _math_varlen(q, k, v, batch: VarlenBatch, scale: float):
+def flash_varlen_window(q, k, v, q_bounds: list[int], k_bounds: list[int], sliding: int, scale: float):
+    """Causal flash varlen attention (bottom-right aligned) where each query sees only its
+    last `sliding` keys: the kernel skips the key blocks outside the band."""
+
+    def to_device(bounds):
+        return torch.tensor(bounds, dtype=torch.int32).to(q.device, non_blocking=True)
+
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q,
+        k,
+        v,
+        to_device(q_bounds),
+        to_device(k_bounds),
+        max(b - a for a, b in zip(q_bounds[:-1], q_bounds[1:])),
+        max(b - a for a, b in zip(k_bounds[:-1], k_bounds[1:])),
+        0.0,
+        True,
+        False,
+        scale=scale,
+        window_size_left=sliding - 1,
+        window_size_right=0,
+    )
+    return out, lse.transpose(0, 1)
+
+
+def _math_varlen(q, k, v, batch: VarlenBatch, scale: float, window: AttentionWindow = FULL_ATTENTION):
     """Reference path for any device and dtype: explicit scores, float32 softmax."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
@@ -279,8 +325,13 @@ def _math_varlen(q, k, v, batch: VarlenBatch, scale: float):
         if batch.seen_keys is not None:  # keys sorted by position: query t sees the first seen[t]
             keys = torch.arange(k1 - k0, device=q.device)
             visible = keys[None, :] < batch.seen_keys[q0:q1, None]
+            if batch.first_keys is not None:  # a window: nor before its first key
+                visible &= keys[None, :] >= batch.first_keys[q0:q1, None]
         else:
-            visible = batch.q_positions[q0:q1, None] >= batch.k_positions[None, k0:k1]
+            q_pos, k_pos = batch.q_positions[q0:q1, None], batch.k_positions[None, k0:k1]
+            visible = q_pos >= k_pos
+            if not window.is_full:
+                visible &= k_pos >= window.first_visible(q_pos)
         scores = scores.masked_fill(~visible, float("-inf"))
         seq_lse = torch.logsumexp(scores, dim=-1)  # [NKV, G, Lq]; -inf where nothing visible
         probs = torch.exp(scores - seq_lse.unsqueeze(-1).clamp(min=torch.finfo(torch.float32).min))

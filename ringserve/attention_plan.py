@@ -18,6 +18,10 @@ later chunks one unmasked block for the late chunk's queries.
 
 A batch where every sequence has at most one query and sees all its keys (a decode step
 of the ring) is planned as one fused varlen call instead.
+
+Under a window (sliding, chunked) a query sees keys f[t] .. n[t] - 1: runs where f stays
+put are the shapes above shifted by f; where f moves with almost every query (a sliding
+band) the run is cut into tiles, each one masked call over just the keys the tile sees.
 """
 
 from __future__ import annotations
@@ -57,13 +61,16 @@ class AttentionPlan:
     groups: list[list[Block]] = field(default_factory=list)  # blocks on the same rows, merged by LSE
     unseen: list[tuple[int, int]] = field(default_factory=list)  # query rows that see no key
     masked: list[tuple[int, int, int, int]] = field(default_factory=list)  # (q0, q1, k0, k1): explicit mask
+    # (q0, q1, k0, k1, visible [q1 - q0, k1 - k0] bool on the host): windows whose first key
+    # moves with almost every query (a sliding band), one masked call per tile of queries
+    banded: list[tuple[int, int, int, int, torch.Tensor]] = field(default_factory=list)
     decode: DecodeLayout | None = None
     _device_tensors: dict | None = None
 
     def single_group(self) -> list[Block] | None:
         """The one row group that holds every query that sees a key, if the plan is just
         that (the other queries see nothing)."""
-        if self.masked or self.decode is not None or len(self.groups) != 1:
+        if self.masked or self.banded or self.decode is not None or len(self.groups) != 1:
             return None
         return self.groups[0]
 
@@ -100,11 +107,22 @@ def plan_attention(q_bounds, k_bounds, q_positions: torch.Tensor, k_positions: t
     return plan_seen(q_bounds, k_bounds, seen_counts)
 
 
-def plan_seen(q_bounds, k_bounds, seen_counts: list[torch.Tensor | None]) -> AttentionPlan:
+def plan_seen(q_bounds, k_bounds, seen_counts: list[torch.Tensor | None], first_counts=None) -> AttentionPlan:
     """Plan from how many of its sequence's keys each query sees (keys sorted by position):
     seen_counts[i] [queries of sequence i] int64 on the host, or None for keys out of order
-    (then an explicit mask). Host work O(queries + sequences), none per key."""
+    (then an explicit mask). first_counts (a window): per sequence, how many of those the
+    query does not see (it sees keys first .. seen - 1); None: all from the first.
+    Host work O(queries + sequences), none per key (but a band's masks)."""
     plan = AttentionPlan()
+    if first_counts is not None and all(f is None or not bool(f.any()) for f in first_counts):
+        first_counts = None  # every window reaches back to the sequence's first key here
+    if first_counts is not None:
+        plan.decode = _decode_layout(q_bounds, k_bounds, seen_counts, first_counts)
+        if plan.decode is not None:  # decode under a window: each query's keys are a suffix
+            return plan
+        for i, (n, f) in enumerate(zip(seen_counts, first_counts)):
+            _plan_windowed(plan, n, f, q_bounds[i], k_bounds[i])
+        return plan
     if all(n is not None for n in seen_counts):
         plan.decode = _decode_layout(q_bounds, k_bounds, seen_counts)
         if plan.decode is not None:  # a decode step: the fused call needs no block plan
@@ -117,17 +135,19 @@ def plan_seen(q_bounds, k_bounds, seen_counts: list[torch.Tensor | None]) -> Att
     return plan
 
 
-def _decode_layout(q_bounds, k_bounds, seen_counts) -> DecodeLayout | None:
-    """The fused layout, if every sequence has at most one query and it sees all its keys."""
+def _decode_layout(q_bounds, k_bounds, seen_counts, first_counts=None) -> DecodeLayout | None:
+    """The fused layout, if every sequence has at most one query and it sees all its keys
+    (from its window's first, first_counts, on: a suffix of them)."""
     rows, k_starts, k_counts = [], [], []
     for i, n in enumerate(seen_counts):
         num_queries, num_keys = q_bounds[i + 1] - q_bounds[i], k_bounds[i + 1] - k_bounds[i]
         if num_queries > 1 or (num_queries == 1 and int(n[0]) != num_keys):
             return None
-        if num_queries == 1 and num_keys > 0:
+        first = int(first_counts[i][0]) if first_counts is not None and num_queries == 1 else 0
+        if num_queries == 1 and num_keys > first:
             rows.append(q_bounds[i])
-            k_starts.append(k_bounds[i])
-            k_counts.append(num_keys)
+            k_starts.append(k_bounds[i] + first)
+            k_counts.append(num_keys - first)
     if not rows:
         return None  # nothing to compute: the block plan marks every query unseen
     return DecodeLayout(None if len(rows) == q_bounds[-1] else rows, k_starts, k_counts, k_bounds[-1])
@@ -150,6 +170,42 @@ def _plan_sequence(plan: AttentionPlan, n: torch.Tensor, q_base: int, k_base: in
             group = [] if before == 0 else [Block(q_base + a, q_base + b, k_base, k_base + before, False)]
             group.append(Block(q_base + a, q_base + b, k_base + before, k_base + before + b - a, True))
             plan.groups.append(group)
+
+
+_SHORT = 8  # queries sharing a window start below which they go to a band's masked tile
+_BAND_TILE = 256  # queries per masked tile
+
+
+def _plan_windowed(plan: AttentionPlan, n: torch.Tensor, f: torch.Tensor, q_base: int, k_base: int) -> None:
+    """Queries see keys f[t] .. n[t] - 1 (both never decrease). Where f stays put over a
+    run, it is the prefix plan shifted by f; where it moves with (almost) every query, a
+    band: masked tiles over just the keys the tile sees."""
+    count = len(n)
+    change = (torch.nonzero(f[1:] != f[:-1]).flatten() + 1).tolist()
+    band_start = None
+    for a, b in zip([0, *change], [*change, count]):
+        if b - a >= _SHORT:
+            if band_start is not None:
+                _plan_band(plan, n[band_start:a], f[band_start:a], q_base + band_start, k_base)
+                band_start = None
+            first = int(f[a])
+            _plan_sequence(plan, n[a:b] - first, q_base + a, k_base + first)
+        elif band_start is None:
+            band_start = a
+    if band_start is not None:
+        _plan_band(plan, n[band_start:], f[band_start:], q_base + band_start, k_base)
+
+
+def _plan_band(plan: AttentionPlan, n: torch.Tensor, f: torch.Tensor, q_base: int, k_base: int) -> None:
+    for a in range(0, len(n), _BAND_TILE):
+        b = min(len(n), a + _BAND_TILE)
+        lo, hi = int(f[a]), int(n[b - 1])
+        if hi <= lo or not bool((n[a:b] > f[a:b]).any()):
+            plan.unseen.append((q_base + a, q_base + b))
+            continue
+        keys = torch.arange(lo, hi)
+        visible = (keys[None, :] >= f[a:b, None]) & (keys[None, :] < n[a:b, None])
+        plan.banded.append((q_base + a, q_base + b, k_base + lo, k_base + hi, visible))
 
 
 def _runs(n: torch.Tensor) -> list[tuple[int, int]]:

@@ -13,10 +13,83 @@ from ringserve.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
+    "MistralForCausalLM",
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
 )
+
+
+@dataclass(frozen=True)
+class AttentionWindow:
+    """Which keys a query sees in one layer, with transformers' masks (masking_utils):
+    a query at position p sees keys k <= p that also satisfy
+
+    - sliding W: p - W < k (itself and the W - 1 keys before it);
+    - chunk C: k // C == p // C (only its own chunk of C positions).
+
+    Neither: full causal attention. Both may be set (a key must pass both).
+    """
+
+    sliding: int | None = None
+    chunk: int | None = None
+
+    def __post_init__(self):
+        for name in ("sliding", "chunk"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"AttentionWindow.{name} must be a positive integer or None, got {value!r}")
+
+    @property
+    def is_full(self) -> bool:
+        return self.sliding is None and self.chunk is None
+
+    def first_visible(self, position):
+        """The first key position a query at `position` (an int or an integer tensor) sees;
+        it never decreases as the position grows."""
+        first = position - position  # 0, as an int or a tensor like position
+        if self.sliding is not None:
+            first = _maximum(first, position - self.sliding + 1)
+        if self.chunk is not None:
+            first = _maximum(first, position // self.chunk * self.chunk)
+        return first
+
+    def lookback(self) -> int | None:
+        """The most keys before its own position a query may see (None: unbounded)."""
+        spans = [w - 1 for w in (self.sliding, self.chunk) if w is not None]
+        return min(spans) if spans else None
+
+
+FULL_ATTENTION = AttentionWindow()
+
+
+def _maximum(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
+    return max(a, b)
+
+
+def attention_windows_from_hf(hf, num_layers: int) -> tuple[AttentionWindow, ...]:
+    """Each layer's window from a transformers config: `layer_types` where the config has
+    it (full_attention, sliding_attention with `sliding_window`, chunked_attention with
+    `attention_chunk_size`), else `sliding_window` on every layer (Mistral, Mixtral)."""
+    sliding = getattr(hf, "sliding_window", None)
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is None:
+        return (AttentionWindow(sliding=sliding),) * num_layers
+    if len(layer_types) != num_layers:
+        raise ModelLoadError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    by_type = {
+        "full_attention": FULL_ATTENTION,
+        "sliding_attention": AttentionWindow(sliding=sliding),
+        "chunked_attention": AttentionWindow(chunk=getattr(hf, "attention_chunk_size", None)),
+    }
+    unknown = sorted(set(layer_types) - set(by_type))
+    if unknown:
+        raise ModelLoadError(
+            f"layer_types {unknown} are not supported (ringserve knows {', '.join(by_type)})"
+        )
+    return tuple(by_type[t] for t in layer_types)
 
 
 @dataclass
@@ -46,6 +119,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     dtype: torch.dtype = torch.float32
+    # Per layer: which keys a query sees (sliding windows, attention chunks); () is all full.
+    attention_windows: tuple[AttentionWindow, ...] = ()
     hf_config: object = field(default=None, repr=False)  # the transformers config, for RoPE
 
     @classmethod
@@ -74,12 +149,6 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf, arch: str) -> ModelConfig:
-        if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
-            if hf.sliding_window < hf.max_position_embeddings:
-                raise ModelLoadError(
-                    f"{arch} with sliding_window={hf.sliding_window} is not supported "
-                    "(ringserve attends over the full context)"
-                )
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         eos = hf.eos_token_id
@@ -118,8 +187,31 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=getattr(hf, "bos_token_id", None),
             dtype=dtype,
+            attention_windows=attention_windows_from_hf(hf, hf.num_hidden_layers),
             hf_config=hf,
         )
+
+    def attention_window(self, layer: int) -> AttentionWindow:
+        """Which keys layer `layer`'s queries see."""
+        return self.attention_windows[layer] if self.attention_windows else FULL_ATTENTION
+
+    @property
+    def has_local_attention(self) -> bool:
+        """Whether any layer attends through a sliding window or attention chunks."""
+        return any(not w.is_full for w in self.attention_windows)
+
+    @property
+    def all_layers_local(self) -> bool:
+        """Whether every layer attends through a window (so no layer reads a sequence's
+        blocks before the longest lookback, and those can be released)."""
+        return bool(self.attention_windows) and all(not w.is_full for w in self.attention_windows)
+
+    @property
+    def local_lookback(self) -> int | None:
+        """The most keys before its own position a query of a windowed layer sees; None
+        when every layer is full."""
+        spans = [w.lookback() for w in self.attention_windows if not w.is_full]
+        return max(spans) if spans else None
 
     @property
     def is_moe(self) -> bool:

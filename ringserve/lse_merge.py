@@ -35,6 +35,20 @@ def merge_partials(outs, lses, first_rows=None, num_rows=None, out_dtype=None):
     return out.to(out_dtype or outs[-1].dtype), lse
 
 
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The attention output once each head's sink logit joins the softmax denominator (and
+    nothing else: a sink has no value), after every partial is merged.
+
+    out [T, NH, D] and lse [T, NH] (float32) over all the keys, sinks [NH] (the heads this
+    rank holds): the sink is one more part with LSE `sink` and output 0, so
+    out * exp(lse) / (exp(lse) + exp(sink)) = out * sigmoid(lse - sink); a query that saw
+    no key (lse -inf) gets 0."""
+    if sinks is None:
+        return out
+    weight = torch.sigmoid(lse - sinks.float()[None, :])  # [T, NH]
+    return (out.float() * weight[:, :, None]).to(out.dtype)
+
+
 def _full_rows(outs, lses, first_rows, num_rows):
     full_outs, full_lses = [], []
     for out, lse, first in zip(outs, lses, first_rows):

@@ -1,4 +1,4 @@
-"""One decoder-only transformer for Llama, Qwen3, Mixtral and Qwen3-MoE checkpoints.
+"""One decoder-only transformer for Llama, Mistral, Qwen3, Mixtral and Qwen3-MoE checkpoints.
 
 Reads like single-device code and keeps Hugging Face parameter names, so checkpoint
 tensors load by name. Tokens are packed: a step's new tokens of every sequence form one
@@ -24,8 +24,13 @@ from ringserve.kernels import add_rms_norm, rms_norm, rotary_qk, silu_mul
 
 
 class ForwardContext(Protocol):
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, NH, D], k and v [T, NKV, D] of this step's tokens -> [T, NH, D]."""
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q [T, NH, D], k and v [T, NKV, D] of this step's tokens -> [T, NH, D], each query
+        over the keys its layer's window lets it see (ModelConfig.attention_window). sinks
+        [NH] (this rank's heads): a logit per head that joins the softmax denominator only
+        (gpt-oss), applied once every partial is merged."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the tensor-parallel ranks."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ringserve.attention import VarlenBatch, attention_with_lse
+from ringserve.config import FULL_ATTENTION, AttentionWindow
 
 try:
     import triton
@@ -76,28 +77,45 @@ def decode_splits(batch_size: int, num_kv_heads: int, max_keys: int, num_sms: in
     return 1 << (max(1, want).bit_length() - 1)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, batch: PagedBatch, block_size: int, scale: float):
-    """(out [T, NH, D], lse [T, NH] float32) of every query over its sequence's cached keys."""
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    batch: PagedBatch,
+    block_size: int,
+    scale: float,
+    window: AttentionWindow = FULL_ATTENTION,
+):
+    """(out [T, NH, D], lse [T, NH] float32) of every query over its sequence's cached keys
+    that its window lets it see; blocks before the first one a sequence's first query sees
+    are never read (a windowed layer may have freed them)."""
     # Under Triton's CPU interpreter (tests) the kernel runs on the CPU too.
     if triton is not None and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return _paged_triton(q, k_cache, v_cache, block_tables, batch, block_size, scale)
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, batch, block_size, scale)
+        return _paged_triton(q, k_cache, v_cache, block_tables, batch, block_size, scale, window=window)
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, batch, block_size, scale, window)
 
 
-def paged_attention_reference(q, k_cache, v_cache, block_tables, batch: PagedBatch, block_size, scale):
-    """Gather each sequence's pages (by its block table) and run the dense varlen attention."""
+def paged_attention_reference(
+    q, k_cache, v_cache, block_tables, batch: PagedBatch, block_size, scale, window=FULL_ATTENTION
+):
+    """Gather each sequence's pages from the first one its queries see (by its block table)
+    and run the dense varlen attention."""
     cu_q = batch.host_cu_q if batch.host_cu_q is not None else batch.cu_q.tolist()
     lens = batch.host_seq_lens if batch.host_seq_lens is not None else batch.seq_lens.tolist()
     rows = batch.host_seq_rows if batch.host_seq_rows is not None else batch.seq_rows.tolist()
-    slots, cu_k = [], [0]
+    slots, cu_k, firsts = [], [0], []
     offsets = torch.arange(block_size, device=k_cache.device)
-    for row, n in zip(rows, lens):
-        pages = block_tables[row, : -(-n // block_size)].long()
-        slots.append((pages[:, None] * block_size + offsets).flatten()[:n])
-        cu_k.append(cu_k[-1] + n)
+    for row, n, a, b in zip(rows, lens, cu_q[:-1], cu_q[1:]):
+        first_block = window.first_visible(n - (b - a)) // block_size if n > b - a else 0
+        first = first_block * block_size
+        pages = block_tables[row, first_block : -(-n // block_size)].long()
+        slots.append((pages[:, None] * block_size + offsets).flatten()[: n - first])
+        cu_k.append(cu_k[-1] + n - first)
+        firsts.append(first)
     slots = torch.cat(slots)
     q_positions = torch.cat([torch.arange(n - (b - a), n) for a, b, n in zip(cu_q[:-1], cu_q[1:], lens)])
-    k_positions = torch.cat([torch.arange(n) for n in lens])
+    k_positions = torch.cat([torch.arange(first, n) for first, n in zip(firsts, lens)])
     varlen = VarlenBatch(
         cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=q.device),
         cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=q.device),
@@ -108,14 +126,23 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, batch: PagedBat
         causal_suffix=True,
         q_bounds=list(cu_q),
         k_bounds=cu_k,
+        k_offsets=firsts,
     )
     return attention_with_lse(
-        q, k_cache.index_select(0, slots), v_cache.index_select(0, slots), varlen, scale
+        q, k_cache.index_select(0, slots), v_cache.index_select(0, slots), varlen, scale, window
     )
 
 
 def _paged_triton(
-    q, k_cache, v_cache, block_tables, batch: PagedBatch, block_size: int, scale: float, launch=None
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    batch: PagedBatch,
+    block_size: int,
+    scale: float,
+    launch=None,
+    window: AttentionWindow = FULL_ATTENTION,
 ):
     """launch: overrides of the kernel's tile and launch settings (bench/bench_paged.py)."""
     launch = {**LAUNCH, **(launch or {})}
@@ -158,6 +185,8 @@ def _paged_triton(
         part_out.stride(2),
         part_lse.stride(0),
         part_lse.stride(1),
+        window.sliding or 0,
+        window.chunk or 0,
         NUM_SPLITS=splits,
         GROUP=group,
         GROUP_PAD=group_pad,
@@ -168,6 +197,9 @@ def _paged_triton(
         D_PAD=triton.next_power_of_2(head_dim),
         IEEE=q.dtype == torch.float32,
         INTERPRET=not q.is_cuda,
+        HAS_SLIDING=window.sliding is not None,
+        HAS_CHUNK=window.chunk is not None,
+        LOCAL=not window.is_full,
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
     )
@@ -196,12 +228,12 @@ if triton is not None:
 
     @triton.jit
     def _attend_keys(
-        q, q_pos, m_i, l_i, acc, n0, end, row, kv_head, tables_ptr, k_ptr, v_ptr,
+        q, q_pos, first_pos, m_i, l_i, acc, n0, end, row, kv_head, tables_ptr, k_ptr, v_ptr,
         stride_table, stride_ks, stride_kh, stride_vs, stride_vh, scale_log2,
-        d, d_ok, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
+        d, d_ok, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr, LOCAL: tl.constexpr,
     ):  # fmt: skip
         """Online-softmax update of a tile's rows with keys n0 .. n0 + BLOCK_N - 1 (< end),
-        found through the sequence's block table."""
+        found through the sequence's block table; LOCAL: row r sees keys from first_pos[r]."""
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
         page = tl.load(tables_ptr + row * stride_table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
@@ -215,6 +247,8 @@ if triton is not None:
             s = tl.dot(q, tl.trans(k))
         s = s * scale_log2
         visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        if LOCAL:
+            visible = visible & (n[None, :] >= first_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
@@ -253,6 +287,8 @@ if triton is not None:
         stride_oh,
         stride_ls,
         stride_lt,
+        sliding,  # window of the layer: keys p - sliding < k (0: none)
+        chunk,  # attention chunk: keys of p's own chunk (0: none)
         NUM_SPLITS: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
@@ -263,6 +299,9 @@ if triton is not None:
         D_PAD: tl.constexpr,
         IEEE: tl.constexpr,
         INTERPRET: tl.constexpr,
+        HAS_SLIDING: tl.constexpr,
+        HAS_CHUNK: tl.constexpr,
+        LOCAL: tl.constexpr,
     ):
         # One program: QUERIES queries of one sequence x the GROUP query heads of one KV
         # head (rows query-major), over one split of the keys they may see.
@@ -287,10 +326,20 @@ if triton is not None:
         q_offs = (q_start + qi).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
         q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-        # Keys up to the tile's last query, cut into NUM_SPLITS runs of whole BLOCK_Ns.
+        # Keys up to the tile's last query, from the first block its first query sees (a
+        # window's earlier blocks are never visited), cut into NUM_SPLITS runs of whole BLOCK_Ns.
         kv_end = seq_len - q_len + tl.minimum(q0 + QUERIES, q_len)
-        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start = split * per_split
+        first_pos = tl.zeros_like(q_pos)
+        kv_start = seq_len * 0
+        if HAS_SLIDING:
+            first_pos = tl.maximum(first_pos, q_pos - sliding + 1)
+            kv_start = tl.maximum(kv_start, seq_len - q_len + q0 - sliding + 1)
+        if HAS_CHUNK:
+            first_pos = tl.maximum(first_pos, q_pos // chunk * chunk)
+            kv_start = tl.maximum(kv_start, (seq_len - q_len + q0) // chunk * chunk)
+        kv_start = kv_start // PAGE * PAGE
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = kv_start + split * per_split
         end = tl.minimum(start + per_split, kv_end)
 
         m_i = tl.full([QUERIES * GROUP_PAD], float("-inf"), tl.float32)
@@ -300,17 +349,17 @@ if triton is not None:
             n0 = start
             while n0 < end:
                 m_i, l_i, acc = _attend_keys(
-                    q, q_pos, m_i, l_i, acc, n0, end, row, kv_head, tables_ptr, k_ptr, v_ptr,
+                    q, q_pos, first_pos, m_i, l_i, acc, n0, end, row, kv_head, tables_ptr, k_ptr, v_ptr,
                     stride_table, stride_ks, stride_kh, stride_vs, stride_vh, scale_log2,
-                    d, d_ok, BLOCK_N, PAGE, IEEE,
+                    d, d_ok, BLOCK_N, PAGE, IEEE, LOCAL,
                 )  # fmt: skip
                 n0 += BLOCK_N
         else:
             for n0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _attend_keys(
-                    q, q_pos, m_i, l_i, acc, n0, end, row, kv_head, tables_ptr, k_ptr, v_ptr,
+                    q, q_pos, first_pos, m_i, l_i, acc, n0, end, row, kv_head, tables_ptr, k_ptr, v_ptr,
                     stride_table, stride_ks, stride_kh, stride_vs, stride_vh, scale_log2,
-                    d, d_ok, BLOCK_N, PAGE, IEEE,
+                    d, d_ok, BLOCK_N, PAGE, IEEE, LOCAL,
                 )  # fmt: skip
 
         seen = l_i > 0

@@ -17,7 +17,7 @@ TINY = dict(
     max_position_embeddings=512,
 )
 
-ARCHITECTURES = ["llama", "qwen3", "mixtral", "qwen3_moe"]
+ARCHITECTURES = ["llama", "mistral", "qwen3", "mixtral", "qwen3_moe"]
 
 
 def make_hf_config(arch: str):
@@ -39,6 +39,9 @@ def make_hf_config(arch: str):
     if arch == "qwen3":
         # head_dim 32 with 4 heads: 128 wide attention on a 64 wide model
         return tf.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
+    if arch == "mistral":
+        # A window of 8 positions: prompts of a few dozen tokens span several windows.
+        return tf.MistralConfig(**TINY, sliding_window=8, head_dim=16)
     if arch == "mixtral":
         return tf.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)
     if arch == "qwen3_moe":

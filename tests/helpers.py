@@ -16,11 +16,13 @@ from ringserve.parallel.local_world import free_port
 from ringserve.sampling_params import SamplingParams
 
 
-def ring_step(starts: list[int], totals: list[int], block_size: int, cp: int):
+def ring_step(starts: list[int], totals: list[int], block_size: int, cp: int, lookback: int | None = None):
     """A step of sequences whose first starts[i] tokens are cached and which compute up to
     totals[i], placed by a CP layout as the engine places them (cached blocks first, then
-    the new ones): (RingStep, the layout, each sequence's per-rank key positions)."""
-    manager = BlockManager(-(-max(totals) // block_size) * len(totals) * cp, block_size, False, cp)
+    the new ones): (RingStep, the layout, each sequence's per-rank key positions).
+    lookback: of the model's attention windows (ModelConfig.local_lookback)."""
+    num_blocks = -(-max(totals) // block_size) * len(totals) * cp
+    manager = BlockManager(num_blocks, block_size, False, cp, lookback)
     seqs = []
     for i, (start, total) in enumerate(zip(starts, totals)):
         seq = Sequence(str(i), [0] * total, SamplingParams())

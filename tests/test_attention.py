@@ -233,12 +233,10 @@ def test_decode_steps_are_planned_as_one_fused_call():
 def test_chunks_after_a_cached_prefix_as_dense_blocks():
     """The GPU path for long chunks after a prefix (the prefix unmasked, the chunk's causal
     diagonal, merged by LSE; here the same blocks in float32) equals the varlen reference."""
-    from ringserve.attention import _dense_per_sequence
+    from ringserve.attention import dense_per_sequence
 
     q, k, v, batch = packed([9, 12, 5], [30, 12, 19], seed=5)  # after a prefix, a whole prompt, after one
-    out, lse = _dense_per_sequence(
-        q, k, v, batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist(), 16**-0.5
-    )
+    out, lse = dense_per_sequence(q, k, v, batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist(), 16**-0.5)
     ref_out, ref_lse = attention_with_lse(q, k, v, batch, scale=16**-0.5)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)

@@ -19,15 +19,21 @@ KERNEL_SCRIPT = r"""
 import torch
 from ringserve import paged_attention as pa
 from ringserve.attention import VarlenBatch, _math_varlen
+from ringserve.config import AttentionWindow
 
-def case(q_lens, seq_lens, nh, nkv, d, splits, bs=4, seed=0):
+def case(q_lens, seq_lens, nh, nkv, d, splits, bs=4, seed=0, window=AttentionWindow()):
     dtype = torch.float32
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // bs) for n in seq_lens) + 3
     k_cache = torch.randn(num_blocks * bs, nkv, d, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks * bs, nkv, d, generator=g).to(dtype)
+    # The last block holds NaN: the table entries of blocks no query of a sequence can see
+    # (before its window) point there, so reading any of them would show in the output.
+    poison = num_blocks - 1
+    k_cache[poison * bs :] = float("nan")
+    v_cache[poison * bs :] = float("nan")
     tables = torch.zeros(len(q_lens) + 2, 64, dtype=torch.int32)
-    perm, used = torch.randperm(num_blocks, generator=g), 0
+    perm, used = torch.randperm(num_blocks - 1, generator=g), 0  # never the poison block
     rows = [len(q_lens) - i for i in range(len(q_lens))]  # rows out of batch order
     for row, n in zip(rows, seq_lens):
         nb = -(-n // bs)
@@ -44,7 +50,13 @@ def case(q_lens, seq_lens, nh, nkv, d, splits, bs=4, seed=0):
     i32 = lambda x: torch.tensor(x, dtype=torch.int32)
     batch = pa.PagedBatch(i32(rows), i32(cu), i32(seq_lens), i32(tile_seq), i32(tile_q0), qpt, splits,
                           cu, list(seq_lens), rows)
-    out, lse = pa.paged_attention(q, k_cache, v_cache, tables, batch, bs, d**-0.5)
+    visible_tables = tables.clone()
+    for row, n, ql in zip(rows, seq_lens, q_lens):
+        tables[row, : window.first_visible(n - ql) // bs] = poison
+    out, lse = pa.paged_attention(q, k_cache, v_cache, tables, batch, bs, d**-0.5, window)
+    ref_out, ref_lse = pa.paged_attention_reference(q, k_cache, v_cache, tables, batch, bs, d**-0.5, window)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    tables = visible_tables
     # Reference: each context gathered by hand from the block table, explicit float32 math.
     slots, k_pos, q_pos, cu_k = [], [], [], [0]
     for row, n, ql in zip(rows, seq_lens, q_lens):
@@ -54,7 +66,7 @@ def case(q_lens, seq_lens, nh, nkv, d, splits, bs=4, seed=0):
     slots = torch.cat(slots)
     ref = VarlenBatch(i32(cu), i32(cu_k), max(q_lens), max(seq_lens), torch.cat(q_pos), torch.cat(k_pos),
                       True, cu, cu_k)
-    ref_out, ref_lse = _math_varlen(q, k_cache[slots], v_cache[slots], ref, d**-0.5)
+    ref_out, ref_lse = _math_varlen(q, k_cache[slots], v_cache[slots], ref, d**-0.5, window)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
@@ -66,6 +78,14 @@ case([1, 1], [200, 3], nh=8, nkv=1, d=32, splits=4)  # one KV head for 8 query h
 case([7, 1, 20, 1], [30, 9, 20, 2], nh=4, nkv=2, d=16, splits=1)
 case([70], [150], nh=6, nkv=2, d=24, splits=1)  # several tiles; head_dim not a power of two
 case([1, 5], [70, 40], nh=4, nkv=4, d=16, splits=2)
+# local attention: the KV loop starts at the first block the tile's first query sees
+sliding = AttentionWindow(sliding=9)
+case([1, 1, 1], [5, 64, 131], nh=4, nkv=2, d=16, splits=1, window=sliding)
+case([1, 1, 1], [5, 64, 131], nh=4, nkv=2, d=16, splits=4, window=sliding)  # splits of the window
+case([7, 1, 20, 70], [30, 9, 20, 150], nh=4, nkv=2, d=16, splits=1, window=sliding)
+chunked = AttentionWindow(chunk=16)
+case([1, 1, 1], [5, 64, 131], nh=4, nkv=2, d=16, splits=2, window=chunked)
+case([7, 1, 20, 70], [30, 9, 20, 150], nh=4, nkv=2, d=16, splits=1, window=chunked)
 # (bfloat16 is checked on the GPU, bench/gpu_checks.py: the interpreter mangles bf16 stores.)
 print("ok")
 """

@@ -26,7 +26,7 @@ def single_rank(folder):
 
 # llama: 4 query / 2 KV heads, so tp=4 replicates each KV head on two ranks; tied embeddings.
 @pytest.mark.parametrize(
-    "arch,tp", [("llama", 2), ("llama", 4), ("qwen3", 2), ("mixtral", 2), ("qwen3_moe", 4)]
+    "arch,tp", [("llama", 2), ("llama", 4), ("mistral", 2), ("qwen3", 2), ("mixtral", 2), ("qwen3_moe", 4)]
 )
 def test_tp_equals_single_rank_and_transformers(arch, tp, tiny_model_dir):
     folder = tiny_model_dir(arch)

@@ -7,6 +7,12 @@ cached until memory runs short, then the least recently freed is reused first.
 Under context parallelism each of the N ranks has its own pool of blocks; where a block,
 and so each token, lives is the layout's to say (parallel/cp_layout.py): it places new
 blocks, and tells the ranks what each step changes.
+
+When every layer attends through a window (sliding windows, attention chunks), a block
+that lies wholly before the lookback of a sequence's next token can never be read again:
+it is released as the sequence advances (its table entry becomes RELEASED), so a long
+sequence holds about lookback / block_size blocks, not context / block_size. A model with
+any full-attention layer keeps every block (those layers read them all).
 """
 
 from __future__ import annotations
@@ -16,16 +22,28 @@ from collections import OrderedDict
 from ringserve.engine.sequence import Sequence
 from ringserve.parallel.cp_layout import CPLayout
 
+RELEASED = -1  # a block_table entry whose block no query of the sequence can see any more
+
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_ranks: int = 1
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_ranks: int = 1,
+        lookback: int | None = None,
+        release_outside_window: bool = False,
     ):
-        """num_blocks: blocks in all; num_ranks pools of num_blocks // num_ranks each."""
+        """num_blocks: blocks in all; num_ranks pools of num_blocks // num_ranks each.
+        lookback: ModelConfig.local_lookback (the ring counts keys before windows by it);
+        release_outside_window: every layer is windowed, so blocks before the lookback of a
+        sequence's next token are released (ModelConfig.all_layers_local)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_ranks = num_ranks
-        self.layout = CPLayout(num_ranks, num_blocks // num_ranks, block_size)
+        self.release_lookback = lookback if release_outside_window else None
+        self.layout = CPLayout(num_ranks, num_blocks // num_ranks, block_size, lookback)
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
@@ -101,19 +119,39 @@ class BlockManager:
             seq.block_table.append(block)
         return True
 
+    def _drop(self, block: int) -> None:
+        """One user less; a block with none goes back to its rank's pool (hashed ones stay
+        findable until reused, after the never-hashed ones)."""
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            pool = self.free_blocks[self.layout.rank_of(block)]
+            pool[block] = None
+            if self.block_hash[block] is None:
+                pool.move_to_end(block, last=False)
+
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks; hashed ones stay findable until reused."""
         for block in reversed(seq.block_table):
-            self.ref_count[block] -= 1
-            if self.ref_count[block] == 0:
-                pool = self.free_blocks[self.layout.rank_of(block)]
-                pool[block] = None
-                if self.block_hash[block] is None:
-                    pool.move_to_end(block, last=False)
+            if block != RELEASED:
+                self._drop(block)
         self.layout.release(seq.request_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+        seq.num_released_blocks = 0
+
+    def release_outside_window(self, seq: Sequence) -> None:
+        """Every layer windowed: release the blocks wholly before the first position the
+        sequence's next token (at num_computed_tokens) may see, lookback keys back. Called
+        once its computed blocks were offered to the prefix cache, so a released block
+        that holds a hashed prefix stays findable until it is reused."""
+        if self.release_lookback is None:
+            return
+        end = max(0, seq.num_computed_tokens - self.release_lookback) // self.block_size
+        for i in range(seq.num_released_blocks, min(end, len(seq.block_table))):
+            self._drop(seq.block_table[i])
+            seq.block_table[i] = RELEASED
+        seq.num_released_blocks = max(seq.num_released_blocks, end)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the hashes of the sequence's blocks that are full of computed tokens."""
@@ -125,8 +163,8 @@ class BlockManager:
         hashes = self._hashes(seq, full)
         for i in range(seq.num_registered_blocks, full):
             block, h = seq.block_table[i], hashes[i]
-            # Skip a block already named, or content another sequence computed first.
-            if self.block_hash[block] is None and h not in self.cached:
+            # Skip a released block, one already named, or content another sequence computed first.
+            if block != RELEASED and self.block_hash[block] is None and h not in self.cached:
                 self.block_hash[block] = h
                 self.cached[h] = block
         seq.num_registered_blocks = full

@@ -9,7 +9,7 @@ import torch
 
 from ringserve.config import ModelConfig
 from ringserve.engine.scheduler import ScheduledBatch
-from ringserve.parallel.cp import CPCalibration, choose_cp_algo
+from ringserve.parallel.cp import CPCalibration, choose_cp_algo, visible_cached_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,8 @@ class CPPolicy:
             return self.cp_algo
         c = self.model_config
         new = sum(batch.num_tokens)
-        cached = sum(seq.num_computed_tokens for seq in batch.seqs)
+        # the cached keys the new tokens can see (all of them without local attention)
+        cached = visible_cached_tokens(c.attention_windows, [seq.num_computed_tokens for seq in batch.seqs])
         algo = choose_cp_algo(
             new,
             cached,

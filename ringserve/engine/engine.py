@@ -122,7 +122,14 @@ class LLMEngine:
         # One scheduler and KV-cache pool per data-parallel replica (each its own requests).
         self.replicas = [
             Scheduler(
-                BlockManager(num_blocks, ec.block_size, ec.enable_prefix_caching, parallel.cp),
+                BlockManager(
+                    num_blocks,
+                    ec.block_size,
+                    ec.enable_prefix_caching,
+                    parallel.cp,
+                    config.local_lookback,
+                    release_outside_window=config.all_layers_local,
+                ),
                 ec.max_num_batched_tokens,
                 ec.max_num_seqs,
             )
@@ -341,7 +348,9 @@ class LLMEngine:
             if seq.finished:  # ended (stop, abort) while this step was being launched
                 continue
             seq.num_computed_tokens += n
-            self.replicas[seq.replica].block_manager.cache_full_blocks(seq)
+            block_manager = self.replicas[seq.replica].block_manager
+            block_manager.cache_full_blocks(seq)
+            block_manager.release_outside_window(seq)
         for seq in launched.sampling:
             if not seq.finished:
                 seq.output_token_ids.append(PENDING_TOKEN)

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from ringserve.attention import VarlenBatch, attention_with_lse
+from ringserve.config import FULL_ATTENTION, AttentionWindow
 from ringserve.engine.kv_cache import KVCache
 from ringserve.kernels import store_kv
+from ringserve.lse_merge import add_sinks
 from ringserve.paged_attention import PagedBatch, paged_attention
 
 
@@ -22,6 +24,10 @@ class _StepContext:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token (this rank's, under CP)
     tp_all_reduce: Callable[[torch.Tensor], torch.Tensor]  # the sum over tensor-parallel ranks
     experts: Callable  # LocalExperts or ExpertParallel (parallel/ep.py)
+    windows: tuple[AttentionWindow, ...] = ()  # per layer (ModelConfig.attention_windows); () all full
+
+    def window(self, layer: int) -> AttentionWindow:
+        return self.windows[layer] if self.windows else FULL_ATTENTION
 
     def write_kv(self, layer: int, k, v):
         """Store the new tokens' KV; returns this layer's cache tensors."""
@@ -51,15 +57,23 @@ class PagedAttentionContext(_StepContext):
     paged: PagedBatch | None = None
     block_tables: torch.Tensor | None = None  # [rows, max_blocks] int32, the runner's
 
-    def attend(self, layer: int, q, k, v):
+    def attend(self, layer: int, q, k, v, sinks=None):
         k_cache, v_cache = self.write_kv(layer, k, v)
+        window = self.window(layer)
         if self.dense is not None:
-            out, _ = attention_with_lse(q, k, v, self.dense, self.scale)
+            out, lse = attention_with_lse(q, k, v, self.dense, self.scale, window)
         else:
-            out, _ = paged_attention(
-                q, k_cache, v_cache, self.block_tables, self.paged, self.kv_cache.block_size, self.scale
+            out, lse = paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                self.block_tables,
+                self.paged,
+                self.kv_cache.block_size,
+                self.scale,
+                window,
             )
-        return out
+        return add_sinks(out, lse, sinks)
 
 
 @dataclass(kw_only=True)
@@ -68,8 +82,12 @@ class RingAttentionContext(_StepContext):
     queries meet every rank's keys through the ring (pass-KV or pass-Q)."""
 
     local_slots: torch.Tensor  # [K_mine] local slots of every key this rank holds, per sequence
-    ring: Callable  # (q, k_local, v_local) -> out
+    ring: Callable  # RingAttention: (q, k_local, v_local, window) -> (out, lse)
 
-    def attend(self, layer: int, q, k, v):
+    def attend(self, layer: int, q, k, v, sinks=None):
         k_cache, v_cache = self.write_kv(layer, k, v)
-        return self.ring(q, k_cache[self.local_slots], v_cache[self.local_slots])
+        window = self.window(layer)
+        rows = self.ring.local_key_rows(window)  # a window: only the keys some query sees
+        slots = self.local_slots if rows is None else self.local_slots[rows]
+        out, lse = self.ring(q, k_cache[slots], v_cache[slots], window)
+        return add_sinks(out, lse, sinks)

@@ -44,7 +44,7 @@ class DecodeGraphs:
         # Split-KV is fixed per bucket (a graph's launch grid cannot change): sized for the
         # longest context, a short one leaves most splits empty, which costs little.
         self.splits = {
-            b: decode_splits(b, runner.num_kv_heads, runner.max_model_len, runner.num_sms)
+            b: decode_splits(b, runner.num_kv_heads, runner.keys_read(runner.max_model_len), runner.num_sms)
             if dev.type == "cuda"
             else 1
             for b in self.buckets

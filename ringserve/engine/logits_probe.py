@@ -15,7 +15,7 @@ from ringserve.sampling_params import SamplingParams
 def engine_logits(engine, token_ids: list[int], prefill: int, chunks: list[int] = ()) -> torch.Tensor:
     """Logits [len, V] of every position: `prefill` tokens in one step, then a step per
     chunk (sizes in `chunks`) after that cached prefix, then one token per step through
-    the paged cache, as decoding computes them."""
+    the paged cache, as decoding computes them (under CP through the ring the engine picks)."""
     seq = Sequence("probe", token_ids[:prefill], SamplingParams())
     engine.scheduler.take_row(seq)
     rows = []
@@ -23,7 +23,9 @@ def engine_logits(engine, token_ids: list[int], prefill: int, chunks: list[int] 
     for n in steps:
         seq.prompt_token_ids = token_ids[: seq.num_computed_tokens + n]
         assert engine.block_manager.allocate(seq, n)
-        step = StepInput.from_batch(ScheduledBatch([seq], [n]), engine.block_manager.layout)
+        batch = ScheduledBatch([seq], [n])
+        step = StepInput.from_batch(batch, engine.block_manager.layout)
+        step.cp_algo = engine.cp_policy.choose(batch)  # the engine's ring (a forced one, or auto)
         rows.append(engine.executor.execute(step, all_logits=True))
         seq.num_computed_tokens += n
     engine.block_manager.free(seq)

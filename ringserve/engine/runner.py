@@ -63,6 +63,12 @@ class ModelRunner:
         self.host_elements = 0  # host-built index elements, summed over steps (tests count them)
         self.graphs = None  # DecodeGraphs, set by the worker on CUDA unless eager is enforced
 
+    def keys_read(self, context: int) -> int:
+        """The most keys a decode query reads at this context length: the longest window's
+        reach when every layer is windowed (split-KV is sized by it)."""
+        config = self.model.config
+        return min(context, config.local_lookback + 1) if config.all_layers_local else context
+
     def _apply_table_updates(self, step: StepInput) -> None:
         # Under CP this rank's table holds its share: the local blocks the layout sent it.
         updates = step.table_updates if step.cp is None else step.cp.table_updates[self.cp_rank]
@@ -102,6 +108,7 @@ class ModelRunner:
             self.run_experts,
             local_slots=key_slots,
             ring=ring,
+            windows=self.model.config.attention_windows,
         )
         self.host_elements += (
             step.cp.num_host_elements
@@ -178,7 +185,7 @@ class ModelRunner:
                 tile_seq_d, tile_q0_d = tiles.split(len(tile_seq))
             splits = 1
             if decode and self.device.type == "cuda":
-                splits = decode_splits(b, self.num_kv_heads, max(seq_lens), self.num_sms)
+                splits = decode_splits(b, self.num_kv_heads, self.keys_read(max(seq_lens)), self.num_sms)
             paged = PagedBatch(
                 seq_rows_d, cu_q_d, seq_lens_d, tile_seq_d, tile_q0_d, qpt, splits, cu_q, seq_lens, step.rows
             )
@@ -201,6 +208,7 @@ class ModelRunner:
             dense=dense,
             paged=paged,
             block_tables=self.block_tables.tables,
+            windows=self.model.config.attention_windows,
         )
 
     def decode_logits(self, input_ids, positions, rows, seq_lens, num_splits: int) -> torch.Tensor:

@@ -12,6 +12,9 @@ it lies, by one of two rings:
 - pass-Q: queries (with positions and sequences) travel; each rank attends them to its own
   KV; the partial outputs and LSEs go home in one all-to-all and are merged there.
 
+Layers with a window (sliding, chunked) run only the ring steps whose pair of ranks shares
+a visible key, each block sent straight from its owner (see RingAttention._local_pass_kv).
+
 All ranks derive the same RingStep from the step's CPStep (every rank's new tokens, and
 how many keys each rank holds of each sequence), so no sizes are exchanged, and every
 message of a ring is padded to the largest rank's.
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ringserve.attention import VarlenBatch, attention_rows
+from ringserve.config import FULL_ATTENTION, AttentionWindow
 from ringserve.lse_merge import merge_partials
 from ringserve.measurements import load_measurement
 from ringserve.parallel.cp_layout import CPStep
@@ -68,6 +72,11 @@ class RingStep:
         self._seq_start = torch.tensor([0, *num_tokens[:-1]], dtype=torch.int64).cumsum(0)  # [S] first token
         self.host_elements = runs.numel() + 5 * total + 4 * self.keys.numel() + num_seqs
         self._new_keys_before: dict[int, torch.Tensor] = {}
+        self._recent_blocks, self._block_size = cp.recent_blocks, cp.block_size
+        self._num_tokens = num_tokens
+        self._skipped: dict[tuple[int, AttentionWindow], torch.Tensor] = {}
+        self._work: dict[AttentionWindow, torch.Tensor] = {}
+        self._window_keys: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def num_queries(self, rank: int) -> int:
         return self._num_queries[rank]
@@ -84,14 +93,130 @@ class RingStep:
             self.host_elements += 3 * len(held)
         return self._new_keys_before[k_rank]
 
-    def varlen(self, q_rank: int, k_rank: int, device) -> VarlenBatch:
+    def _seen(self, k_rank: int) -> torch.Tensor:
+        """[T] per new token, the keys of its sequence on k_rank at or before it."""
+        return self._cached[k_rank][self.seq] + self._seen_new_keys(k_rank)
+
+    def _before_window(self, k_rank: int, window: AttentionWindow) -> torch.Tensor:
+        """[T] per new token, the keys of its sequence on k_rank before the first position
+        its window sees: those held before the step's recent blocks (CPStep.recent_blocks)
+        plus the recent ones, listed by position, below it. O(lookback + new tokens) per
+        sequence, nothing per older cached token."""
+        key = (k_rank, window)
+        if key not in self._skipped:
+            assert len(self._recent_blocks) == len(self._num_tokens), "CPLayout needs the lookback of windows"
+            bs = self._block_size
+            skipped = torch.empty(len(self.seq), dtype=torch.int64)
+            for s, (first_block, ranks) in enumerate(self._recent_blocks):
+                t0, t1 = int(self._seq_start[s]), int(self._seq_start[s]) + self._num_tokens[s]
+                if t1 == t0:
+                    continue
+                end = int(self.positions[t1 - 1]) + 1
+                blocks = torch.tensor(
+                    [first_block + i for i, r in enumerate(ranks) if r == k_rank], dtype=torch.int64
+                )
+                held = (blocks[:, None] * bs + torch.arange(bs)).flatten()
+                held = held[held < end]  # [K] positions held on k_rank from the first recent block
+                before = int(self.keys[k_rank, s]) - len(held)
+                firsts = window.first_visible(self.positions[t0:t1])
+                skipped[t0:t1] = before + torch.searchsorted(held, firsts)
+                self.host_elements += len(held) + 2 * (t1 - t0)
+            self._skipped[key] = skipped
+        return self._skipped[key]
+
+    def _window_counts(self, k_rank: int, window: AttentionWindow):
+        """A windowed layer gathers only the keys on k_rank that some query of the step sees:
+        per sequence, from the first such key (offset [S]) on. -> (seen [T], first [T],
+        keys [S], offset [S]), the counts of _seen / _before_window taken from there."""
+        key = ("counts", k_rank, window)
+        if key not in self._window_keys:
+            seen, first = self._seen(k_rank), self._before_window(k_rank, window)
+            sees = seen > first
+            held = self.keys[k_rank]
+            offset = held.clone().scatter_reduce(0, self.seq[sees], first[sees], "amin")
+            at = offset[self.seq]
+            self._window_keys[key] = (
+                (seen - at).clamp(min=0),
+                (first - at).clamp(min=0),
+                held - offset,
+                offset,
+            )
+        return self._window_keys[key]
+
+    def local_key_rows(self, k_rank: int, window: AttentionWindow) -> torch.Tensor:
+        """[K'] the rows of k_rank's packed keys (all it holds of each sequence) that a
+        windowed layer gathers: each sequence's keys from the first one any query sees."""
+        _, _, counts, offset = self._window_counts(k_rank, window)
+        held = self.keys[k_rank]
+        return _ranges(torch.cumsum(held, 0) - held + offset, counts)
+
+    def pairs_with_work(self, window: AttentionWindow) -> torch.Tensor:
+        """[N, N] bool: whether any query of rank q sees any key of rank k (a ring step
+        between them that does nothing is skipped: no attention call, no transfer)."""
+        if window not in self._work:
+            work = torch.zeros(self.num_ranks, self.num_ranks, dtype=torch.bool)
+            for k_rank in range(self.num_ranks):
+                visible = self._seen(k_rank) > (0 if window.is_full else self._before_window(k_rank, window))
+                seen_by = torch.bincount(self.owners[visible], minlength=self.num_ranks)
+                work[:, k_rank] = seen_by > 0
+            self._work[window] = work
+        return self._work[window]
+
+    def window_keys(
+        self, q_rank: int, k_rank: int, window: AttentionWindow
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sequence, the range lo .. hi - 1 of the keys a windowed layer gathers on
+        k_rank (local_key_rows) that some query of q_rank sees: ([S], [S]) int64, lo == hi
+        where none does. All a windowed pass-KV step sends."""
+        key = (q_rank, k_rank, window)
+        if key in self._window_keys:
+            return self._window_keys[key]
+        mine = self.owners == q_rank
+        seen, first, _, _ = self._window_counts(k_rank, window)
+        seq, seen, first = self.seq[mine], seen[mine], first[mine]
+        sees = seen > first  # queries with at least one key here
+        num_seqs = self.keys.shape[1]
+        hi = torch.zeros(num_seqs, dtype=torch.int64).scatter_reduce(0, seq[sees], seen[sees], "amax")
+        lo = torch.full((num_seqs,), 1 << 62, dtype=torch.int64).scatter_reduce(
+            0, seq[sees], first[sees], "amin"
+        )
+        lo = torch.where(hi > 0, lo, 0)
+        self._window_keys[key] = lo, torch.maximum(hi, lo)
+        return self._window_keys[key]
+
+    def window_key_index(self, q_rank: int, k_rank: int, window: AttentionWindow) -> torch.Tensor:
+        """[K'] the rows of the keys k_rank gathers (local_key_rows) in window_keys."""
+        lo, hi = self.window_keys(q_rank, k_rank, window)
+        counts = self._window_counts(k_rank, window)[2]
+        self.host_elements += 3 * int((hi - lo).sum())
+        return _ranges(torch.cumsum(counts, 0) - counts + lo, hi - lo)
+
+    def varlen(
+        self,
+        q_rank: int,
+        k_rank: int,
+        device,
+        window: AttentionWindow = FULL_ATTENTION,
+        trimmed: bool = False,
+    ) -> VarlenBatch:
         """Attention metadata of q_rank's queries against k_rank's keys: each query sees the
         keys of its sequence there up to its position (the cached ones and the new ones
-        at or before it; keys are packed per sequence in position order)."""
+        at or before it; keys are packed per sequence in position order), from the first
+        one its window sees: under a window, among the keys local_key_rows gathers, or
+        (trimmed) only those of window_keys."""
         mine = self.owners == q_rank
         seq = self.seq[mine]
-        seen = self._cached[k_rank][seq] + self._seen_new_keys(k_rank)[mine]
         q_lens, k_lens = self.queries[q_rank], self.keys[k_rank]
+        if window.is_full:
+            seen, first = self._seen(k_rank)[mine], None
+        else:  # counted among the keys the layer gathers (local_key_rows)
+            seen, first, k_lens, _ = self._window_counts(k_rank, window)
+            seen, first = seen[mine], first[mine]
+        if trimmed:
+            lo, hi = self.window_keys(q_rank, k_rank, window)
+            k_lens = hi - lo
+            seen = (seen - lo[seq]).clamp(min=0).minimum(k_lens[seq])
+            first = (first - lo[seq]).clamp(min=0).minimum(seen)
         cu_q = [0, *torch.cumsum(q_lens, 0).tolist()]
         cu_k = [0, *torch.cumsum(k_lens, 0).tolist()]
         q_positions = self.positions[mine]
@@ -112,7 +237,17 @@ class RingStep:
             k_bounds=cu_k,
             seen_keys=to_device(seen),
             seen_keys_host=seen,
+            first_keys=None if first is None else to_device(first),
+            first_keys_host=first,
         )
+
+
+def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """starts[i] .. starts[i] + counts[i] - 1 for every i, concatenated ([sum(counts)] int64)."""
+    total = int(counts.sum())
+    first = torch.repeat_interleave(starts, counts, output_size=total)
+    done = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts, output_size=total)
+    return first + torch.arange(total) - done
 
 
 class RingAttention:
@@ -132,16 +267,24 @@ class RingAttention:
         self.step = step
         self.algo = algo
         self.scale = scale
-        # (query rank, key rank) -> attention metadata, built once per step for all layers:
-        # pass-KV attends this rank's queries to every rank's keys, pass-Q every rank's
-        # queries to this rank's keys.
+        self.device = device
+        # (query rank, key rank, window) -> attention metadata, built once per step for all
+        # layers of that window: pass-KV attends this rank's queries to every rank's keys,
+        # pass-Q every rank's queries to this rank's keys.
         self._batches = {}
         for other in range(self.size):
-            pair = (self.rank, other) if algo == "pass_kv" else (other, self.rank)
-            self._batches[pair] = step.varlen(*pair, device)
+            self._batch(*((self.rank, other) if algo == "pass_kv" else (other, self.rank)))
+        # Windowed layers: ring steps this rank skipped (no attention call), and transfers
+        # it made, summed over layers (tests read them).
+        self.skipped_steps = 0
+        self.transfers = 0
+        self.sent_keys = 0  # pass-KV: keys sent (only those a window reaches)
 
-    def _batch(self, q_rank: int, k_rank: int) -> VarlenBatch:
-        return self._batches[(q_rank, k_rank)]
+    def _batch(self, q_rank: int, k_rank: int, window: AttentionWindow = FULL_ATTENTION) -> VarlenBatch:
+        key = (q_rank, k_rank, window)
+        if key not in self._batches:
+            self._batches[key] = self.step.varlen(q_rank, k_rank, self.device, window)
+        return self._batches[key]
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor):
         """Start sending `send` to the next rank and receiving into `recv` from the previous."""
@@ -150,13 +293,17 @@ class RingAttention:
             dist.irecv(recv, self.prev_peer, group=self.group),
         ]
 
-    def __call__(self, q, k_local, v_local):
-        """q [Tq, NH, D]: this rank's new tokens; k/v_local [Tk, NKV, D]: all keys it holds."""
+    def __call__(self, q, k_local, v_local, window: AttentionWindow = FULL_ATTENTION):
+        """q [Tq, NH, D]: this rank's new tokens; k/v_local [Tk, NKV, D]: the keys it holds
+        (all of them; under a window, the rows local_key_rows picks)
+        -> (out [Tq, NH, D], lse [Tq, NH] float32) over every rank's keys."""
         if self.algo == "pass_kv":
-            return self._pass_kv(q, k_local, v_local)
-        return self._pass_q(q, k_local, v_local)
+            return self._pass_kv(q, k_local, v_local, window)
+        return self._pass_q(q, k_local, v_local, window)
 
-    def _pass_kv(self, q, k_local, v_local):
+    def _pass_kv(self, q, k_local, v_local, window: AttentionWindow = FULL_ATTENTION):
+        if not window.is_full:
+            return self._local_pass_kv(q, k_local, v_local, window)
         longest = max(self.step.num_keys(r) for r in range(self.size))
         current = k_local.new_zeros(longest, 2, *k_local.shape[1:])  # K and V travel together
         current[: k_local.shape[0], 0] = k_local
@@ -182,9 +329,11 @@ class RingAttention:
             for request in pending:
                 request.wait()
             current, incoming = incoming, current
-        return merge_partials(outs, lses, first_rows, rows, out_dtype=q.dtype)[0]
+        return merge_partials(outs, lses, first_rows, rows, out_dtype=q.dtype)
 
-    def _pass_q(self, q, k_local, v_local):
+    def _pass_q(self, q, k_local, v_local, window: AttentionWindow = FULL_ATTENTION):
+        if not window.is_full:
+            return self._local_pass_q(q, k_local, v_local, window)
         longest = max(self.step.num_queries(r) for r in range(self.size))
         current = q.new_zeros(longest, *q.shape[1:])
         current[: q.shape[0]] = q
@@ -208,7 +357,142 @@ class RingAttention:
         dist.all_to_all_single(home_outs, outs, group=self.group)
         dist.all_to_all_single(home_lses, lses, group=self.group)
         n = q.shape[0]
-        return merge_partials([o[:n] for o in home_outs], [lse[:n] for lse in home_lses])[0]
+        return merge_partials([o[:n] for o in home_outs], [lse[:n] for lse in home_lses])
+
+    # Windowed layers: only the steps with work -------------------------------------------
+    #
+    # Under a sliding window or attention chunks most pairs of ranks share no visible key
+    # (a zigzag chunk longer than the window sees only its neighbours' chunks; Llama 4's
+    # chunks can lie wholly on one rank). Every rank knows which pairs have work
+    # (RingStep.pairs_with_work), so ring step j, between ranks j apart, runs only where it
+    # has work: the block goes straight from its owner to the rank j ahead (not hop by hop
+    # through ranks that would skip it), and a step nobody needs costs nothing at all.
+
+    def _steps_with_work(self, work: torch.Tensor, q_ahead: bool) -> list[int]:
+        """Ring distances j > 0 at which some pair has work: queries of x against keys of
+        x - j (pass-KV) or of x + j (pass-Q, q_ahead)."""
+        n = self.size
+        sign = 1 if q_ahead else -1
+        return [j for j in range(1, n) if any(bool(work[x, (x + sign * j) % n]) for x in range(n))]
+
+    def _start_direct(self, j: int, send: torch.Tensor, recv: torch.Tensor, send_ok: bool, recv_ok: bool):
+        """Send to the rank j ahead and receive from the rank j behind, where wanted."""
+        requests = []
+        if send_ok:
+            peer = dist.get_global_rank(self.group, (self.rank + j) % self.size)
+            requests.append(dist.isend(send, peer, group=self.group))
+            self.transfers += 1
+        if recv_ok:
+            peer = dist.get_global_rank(self.group, (self.rank - j) % self.size)
+            requests.append(dist.irecv(recv, peer, group=self.group))
+        return requests
+
+    def _local_pass_kv(self, q, k_local, v_local, window: AttentionWindow):
+        work = self.step.pairs_with_work(window)  # [query rank, key rank]
+        r, n = self.rank, self.size
+        steps = self._steps_with_work(work, q_ahead=False)
+        kv = torch.stack((k_local, v_local), 1)  # [K, 2, NKV, D]: K and V travel together
+
+        def start(j):
+            """Send the rank j ahead just the keys its queries' windows reach; receive ours."""
+            ahead, behind = (r + j) % n, (r - j) % n
+            send = kv[self._window_rows(ahead, r, window)] if work[ahead, r] else kv[:0]
+            recv = kv.new_empty(self._window_size(r, behind, window), *kv.shape[1:])
+            self.sent_keys += send.shape[0]
+            return recv, self._start_direct(j, send, recv, bool(work[ahead, r]), bool(work[r, behind]))
+
+        outs, lses, first_rows = [], [], []
+
+        def attend(src, keys, batch):
+            if not work[r, src]:
+                self.skipped_steps += 1
+                return
+            out, lse, first = attention_rows(q, keys[:, 0], keys[:, 1], batch, self.scale)
+            outs.append(out)
+            lses.append(lse)
+            first_rows.append(first)
+
+        pending = start(steps[0]) if steps else None
+        attend(r, kv, self._batch(r, r, window))
+        self.skipped_steps += n - 1 - len(steps)
+        for i, j in enumerate(steps):
+            recv, requests = pending
+            for request in requests:
+                request.wait()
+            pending = start(steps[i + 1]) if i + 1 < len(steps) else None
+            src = (r - j) % n
+            attend(src, recv, self._trimmed_batch(r, src, window))
+        if not outs:  # no query on this rank
+            return torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"), device=q.device)
+        return merge_partials(outs, lses, first_rows, q.shape[0], out_dtype=q.dtype)
+
+    def local_key_rows(self, window: AttentionWindow) -> torch.Tensor | None:
+        """Rows of this rank's keys (all it holds of the step's sequences, per sequence in
+        position order) a layer with this window attends to, on the device; None: all."""
+        if window.is_full:
+            return None
+        key = ("local", window)
+        if key not in self._batches:
+            self._batches[key] = self.step.local_key_rows(self.rank, window).to(self.device)
+        return self._batches[key]
+
+    def _window_rows(self, q_rank: int, k_rank: int, window: AttentionWindow) -> torch.Tensor:
+        key = ("rows", q_rank, k_rank, window)
+        if key not in self._batches:
+            self._batches[key] = self.step.window_key_index(q_rank, k_rank, window).to(self.device)
+        return self._batches[key]
+
+    def _window_size(self, q_rank: int, k_rank: int, window: AttentionWindow) -> int:
+        lo, hi = self.step.window_keys(q_rank, k_rank, window)
+        return int((hi - lo).sum())
+
+    def _trimmed_batch(self, q_rank: int, k_rank: int, window: AttentionWindow) -> VarlenBatch:
+        key = ("trimmed", q_rank, k_rank, window)
+        if key not in self._batches:
+            self._batches[key] = self.step.varlen(q_rank, k_rank, self.device, window, trimmed=True)
+        return self._batches[key]
+
+    def _local_pass_q(self, q, k_local, v_local, window: AttentionWindow):
+        work = self.step.pairs_with_work(window)  # [query rank, key rank]
+        r, n = self.rank, self.size
+        steps = self._steps_with_work(work, q_ahead=True)
+        longest = max(self.step.num_queries(x) for x in range(n))
+        mine = q.new_zeros(longest, *q.shape[1:])
+        mine[: q.shape[0]] = q
+        buffers = [torch.empty_like(mine), torch.empty_like(mine)] if steps else []
+        outs = q.new_zeros(n, longest, *q.shape[1:])  # partials for each origin rank
+        lses = torch.full((n, longest, q.shape[1]), float("-inf"), device=q.device)
+
+        def start(i):
+            j = steps[i]
+            return self._start_direct(
+                j, mine, buffers[i % 2], bool(work[r, (r + j) % n]), bool(work[(r - j) % n, r])
+            )
+
+        def attend(src, queries):
+            if not work[src, r]:
+                self.skipped_steps += 1
+                return
+            count = self.step.num_queries(src)
+            out, lse, first = attention_rows(
+                queries[:count], k_local, v_local, self._batch(src, r, window), self.scale
+            )
+            outs[src, first : first + out.shape[0]] = out  # other rows stay 0 / -inf: unseen
+            lses[src, first : first + out.shape[0]] = lse
+
+        pending = start(0) if steps else []
+        attend(r, mine)
+        self.skipped_steps += n - 1 - len(steps)
+        for i, j in enumerate(steps):
+            for request in pending:
+                request.wait()
+            pending = start(i + 1) if i + 1 < len(steps) else []
+            attend((r - j) % n, buffers[i % 2])
+        home_outs, home_lses = torch.empty_like(outs), torch.empty_like(lses)
+        dist.all_to_all_single(home_outs, outs, group=self.group)
+        dist.all_to_all_single(home_lses, lses, group=self.group)
+        count = q.shape[0]
+        return merge_partials([o[:count] for o in home_outs], [lse[:count] for lse in home_lses])
 
 
 # Choosing the ring (DESIGN.md 2.5) --------------------------------------------------------
@@ -228,6 +512,16 @@ class CPCalibration:
         if device_type == "cpu":
             return cls(attention_flops=20e9, link_bytes_per_s=2e9)
         return cls()
+
+
+def visible_cached_tokens(windows: tuple[AttentionWindow, ...], cached: list[int]) -> float:
+    """The cached keys a step's new tokens can see, averaged over the layers (the cost model
+    counts only those): a full layer sees every sequence's cache, a windowed one at most
+    its lookback of it. windows: per layer (() all full); cached: per sequence."""
+    if not windows or all(w.is_full for w in windows):
+        return float(sum(cached))
+    per_layer = [sum(p if w.is_full else min(p, w.lookback()) for p in cached) for w in windows]
+    return sum(per_layer) / len(per_layer)
 
 
 def choose_cp_algo(

@@ -57,12 +57,19 @@ class CPStep:
     # The step's new tokens in packed order, one run per logical block touched:
     # (sequence, rank, first position, tokens, first local slot).
     runs: list[tuple[int, int, int, int, int]]
+    # Models with local attention (windows, chunks): per sequence, (first logical block a
+    # windowed layer's query of this step may see, the rank of each block from there to the
+    # end of its table), so the ring can count the keys before each query's window. At most
+    # lookback / block_size + new blocks per sequence; empty without local attention.
+    recent_blocks: list[tuple[int, list[int]]] = field(default_factory=list)
+    block_size: int = 0
 
     @property
     def num_host_elements(self) -> int:
         """Elements of the message: what the driver built for the step."""
         updates = sum(2 + len(blocks) for per_rank in self.table_updates for _, _, blocks in per_rank)
-        return updates + sum(len(c) for c in self.cached_keys) + 5 * len(self.runs)
+        recent = sum(1 + len(ranks) for _, ranks in self.recent_blocks)
+        return updates + sum(len(c) for c in self.cached_keys) + 5 * len(self.runs) + recent
 
 
 @dataclass
@@ -80,10 +87,13 @@ class _RowShare:
 
 
 class CPLayout:
-    def __init__(self, num_ranks: int, blocks_per_rank: int, block_size: int):
+    def __init__(self, num_ranks: int, blocks_per_rank: int, block_size: int, lookback: int | None = None):
+        """lookback: the most keys before its own position a query of a windowed layer sees
+        (ModelConfig.local_lookback; None: no local attention)."""
         self.num_ranks = num_ranks
         self.blocks_per_rank = blocks_per_rank
         self.block_size = block_size
+        self.lookback = lookback
         self._offsets: dict[str, int] = {}  # request -> decode round-robin offset, while it holds blocks
         self._next_offset = 0
         self._rows: dict[int, _RowShare] = {}
@@ -126,7 +136,7 @@ class CPLayout:
         n_ranks, bs = self.num_ranks, self.block_size
         updates: list[list[tuple[int, int, list[int]]]] = [[] for _ in range(n_ranks)]
         cached = [[0] * len(seqs) for _ in range(n_ranks)]
-        runs = []
+        runs, recent = [], []
         for i, (seq, count) in enumerate(zip(seqs, num_tokens)):
             table, start = seq.block_table, seq.num_computed_tokens
             if seq.num_synced_blocks == 0:  # a new row (admitted, or re-admitted after preemption)
@@ -140,7 +150,10 @@ class CPLayout:
             for r in range(n_ranks):
                 cached[r][i] = share.keys[r]
             self._advance(share, table, start + count, (i, runs))
-        return CPStep(updates, cached, runs)
+            if self.lookback is not None:
+                first = max(0, start - self.lookback) // bs
+                recent.append((first, [self.rank_of(b) for b in table[first:]]))
+        return CPStep(updates, cached, runs, recent, bs)
 
     def _send_blocks(self, share: _RowShare, row: int, new_blocks: list[int], updates) -> None:
         first_column = list(share.local_blocks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -370,41 +371,72 @@ class TPShard:
         )
 
 
+# The mesh's named dimensions, outermost first: world rank = (dp_rank x cp + cp_rank) x tp + tp_rank.
+MESH_AXES = ("dp", "cp", "tp")
+# The products of axes an EP group may span, in the order tried when several give the same
+# ep: inner axes first (their ranks sit closer, on fewer hosts), then those with dp.
+_EP_AXES_ORDER = (("tp",), ("cp",), ("cp", "tp"), ("dp",), ("dp", "tp"), ("dp", "cp"), ("dp", "cp", "tp"))
+
+
 @dataclass
 class ParallelConfig:
-    """Sizes of the three parallel axes; their product is the number of processes."""
+    """Sizes of the mesh's axes (dp replicas of tp x cp ranks) and of the EP groups over them.
+
+    dp None: ep / (tp x cp) when ep is more than tp, cp and tp x cp give (`ep=4` alone is
+    dp=4, ep=4, as vLLM's EP over DP x TP), else 1.
+    """
 
     tp: int = 1
     cp: int = 1
     ep: int = 1
     ranks_per_host: int | None = None  # of the whole world (None: one host); parallel/mesh.py
+    dp: int | None = None
 
     def __post_init__(self):
-        for name in ("tp", "cp", "ep"):
+        if self.dp is None:
+            inner = self.tp * self.cp
+            needs_dp = self.ep not in (1, self.tp, self.cp, inner) and self.ep % inner == 0
+            self.dp = self.ep // inner if needs_dp else 1
+        for name in ("tp", "cp", "ep", "dp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self.ep_axes  # noqa: B018 - validates ep against tp and cp
+        self.ep_axes  # noqa: B018 - validates ep against the axes
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.cp
+        return self.dp * self.cp * self.tp
+
+    def size(self, axis: str) -> int:
+        return getattr(self, axis)
 
     @property
     def ep_axes(self) -> tuple[str, ...]:
-        """The mesh dimensions the EP group spans: the same processes as tp, cp or both."""
+        """The mesh dimensions the EP group spans (outermost first): a product of axes equal to ep."""
         if self.ep == 1:
             return ()
-        if self.ep == self.tp:
-            return ("tp",)
-        if self.ep == self.cp:
-            return ("cp",)
-        if self.ep == self.tp * self.cp:
-            return ("cp", "tp")
+        for axes in _EP_AXES_ORDER:
+            if math.prod(self.size(a) for a in axes) == self.ep and all(self.size(a) > 1 for a in axes):
+                return axes
         raise ValueError(
-            f"ep={self.ep} must equal tp={self.tp}, cp={self.cp} or tp x cp={self.tp * self.cp}: "
-            "experts are spread over the processes that tp x cp starts"
+            f"ep={self.ep} is no product of the mesh's axes dp={self.dp}, cp={self.cp}, tp={self.tp} "
+            f"(it may be tp, cp, dp or a product of them: {', '.join(self._ep_choices())}): "
+            "experts are spread over the ranks of those axes"
         )
+
+    def _ep_choices(self) -> list[str]:
+        sizes = {}
+        for axes in _EP_AXES_ORDER:
+            n = math.prod(self.size(a) for a in axes)
+            if n > 1 and all(self.size(a) > 1 for a in axes):
+                sizes.setdefault(n, " x ".join(axes))
+        return [f"{n} ({name})" for n, name in sorted(sizes.items())] or ["1 (no other axis is above 1)"]
+
+    @property
+    def ep_spans_dp(self) -> bool:
+        """EP groups reach across replicas: every replica takes part in every MoE layer of
+        every step (lockstep), an idle one with no tokens."""
+        return "dp" in self.ep_axes
 
 
 @dataclass

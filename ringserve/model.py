@@ -426,6 +426,10 @@ class Transformer(nn.Module):
             x, residual = layer(x, residual, pos[self.config.rope_key(i)], ctx)
         return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        """The MoE blocks in layer order (under EP, each one dispatch and combine per step)."""
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V_local] float32: this rank's vocabulary rows (all of them on one rank)."""
         logits = self.lm_head(hidden).float()

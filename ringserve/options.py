@@ -58,10 +58,20 @@ class EngineOptions:
     # Parallelism (ParallelConfig).
     tp: int = _opt(1, "tensor-parallel ranks")
     cp: int = _opt(1, "context-parallel ranks")
-    ep: int = _opt(1, "expert-parallel ranks (MoE models): equal to tp, cp or tp x cp")
+    dp: int | None = _opt(
+        None,
+        "data-parallel replicas, each tp x cp ranks with its own requests, scheduler and KV "
+        "cache; requests go to the least loaded (default: ep / (tp x cp) when ep needs more "
+        "ranks than tp x cp, else 1)",
+    )
+    ep: int = _opt(
+        1,
+        "expert-parallel ranks (MoE models): tp, cp, dp or a product of them (ep over dp: "
+        "attention data-parallel, experts over the replicas)",
+    )
     ranks_per_host: int | None = _opt(
         None,
-        "processes per host (hosts hold consecutive ranks, rank = cp_rank x tp + tp_rank); "
+        "processes per host (hosts hold consecutive ranks, rank = (dp_rank x cp + cp_rank) x tp + tp_rank); "
         "an EP group spanning hosts uses the two-shot all-to-all "
         "(default under torchrun: its LOCAL_WORLD_SIZE; otherwise one host)",
     )
@@ -115,6 +125,8 @@ class EngineOptions:
         if isinstance(self.model, os.PathLike):
             self.model = os.fspath(self.model)
         self.validate()
+        if self.dp is None:  # resolved once (ep alone implies its replicas): equal layouts compare equal
+            self.dp = self.parallel_config().dp
 
     # Validation -----------------------------------------------------------------------
 
@@ -127,7 +139,7 @@ class EngineOptions:
             _check_choice("dtype", self.dtype, _field("dtype").metadata["choices"])
         for name in ("tp", "cp", "ep", "block_size", "max_num_batched_tokens", "max_num_seqs"):
             _check_int(name, getattr(self, name))
-        for name in ("ranks_per_host", "num_blocks", "kv_cache_memory", "max_model_len"):
+        for name in ("dp", "ranks_per_host", "num_blocks", "kv_cache_memory", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name))
         _check_choice("allreduce", self.allreduce, BACKENDS)
@@ -143,17 +155,15 @@ class EngineOptions:
         for name in ("async_scheduling", "show_progress"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise OptionError(name, f"must be True, False or None, got {getattr(self, name)!r}")
-        if self.async_scheduling and self.tp * self.cp > 1:
+        try:
+            parallel = self.parallel_config()
+        except ValueError as e:
+            raise OptionError("ep", str(e)) from None
+        if self.async_scheduling and parallel.world_size > 1:
             raise OptionError(
                 "async_scheduling",
-                f"needs one rank (tp=1, cp=1), got tp={self.tp} cp={self.cp}: the other ranks "
-                "could not see tokens that stay on rank 0's device",
-            )
-        if self.ep not in (1, self.tp, self.cp, self.tp * self.cp):
-            raise OptionError(
-                "ep",
-                f"ep={self.ep} must equal tp={self.tp}, cp={self.cp} or tp x cp={self.tp * self.cp}: "
-                "experts are spread over the processes that tp x cp starts",
+                f"needs one rank (dp=1, tp=1, cp=1), got dp={parallel.dp} tp={self.tp} cp={self.cp}: "
+                "the other ranks could not see tokens that stay on rank 0's device",
             )
 
     def _check_device(self) -> None:
@@ -187,7 +197,7 @@ class EngineOptions:
 
     def resolved_async_scheduling(self, device: torch.device) -> bool:
         if self.async_scheduling is None:
-            return device.type == "cuda" and self.tp * self.cp == 1
+            return device.type == "cuda" and self.parallel_config().world_size == 1
         return self.async_scheduling
 
     def resolved_show_progress(self) -> bool:

@@ -77,7 +77,12 @@ def test_bench_against_the_live_server_agrees_with_its_metrics(live, tmp_path, c
     for key in ("duration", "request_throughput", "output_throughput", "total_token_throughput"):
         assert result[key] > 0
     assert result["output_throughput"] == pytest.approx(30 / result["duration"])
-    assert result["model_id"] == "smol" and result["server"]["parallel"] == {"tp": 1, "cp": 1, "ep": 1}
+    assert result["model_id"] == "smol" and result["server"]["parallel"] == {
+        "tp": 1,
+        "cp": 1,
+        "ep": 1,
+        "dp": 1,
+    }
     assert (tmp_path / "latency.png").read_bytes()[:8] == PNG
     out = capsys.readouterr().out
     assert "Serving Benchmark Result" in out and "P90 TPOT (ms):" in out and "Successful requests:" in out

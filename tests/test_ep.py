@@ -106,6 +106,8 @@ def _ep_rank(rank, world_size, parallel):
         # Two EP groups (the CP groups 0,2,4,6 and 1,3,5,7), each with two ranks on each of
         # two hosts of 4.
         ParallelConfig(tp=2, cp=4, ep=4, ranks_per_host=4),
+        # Experts over two data-parallel replicas (one per host) of cp=2.
+        ParallelConfig(dp=2, cp=2, ep=4, ranks_per_host=2),
     ],
 )
 def test_two_shot_equals_flat_and_sends_less_across_hosts(parallel):
@@ -125,7 +127,7 @@ def test_two_shot_equals_flat_and_sends_less_across_hosts(parallel):
 
 
 def test_ep_must_match_the_processes():
-    with pytest.raises(ValueError, match="ep=3 must equal tp=2"):
+    with pytest.raises(ValueError, match=r"ep=3 is no product of the mesh's axes dp=1, cp=1, tp=2"):
         LLM(None, device="cpu", tp=2, ep=3)
 
 

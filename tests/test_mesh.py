@@ -108,3 +108,37 @@ def test_hosts_the_layout_cannot_fill_are_refused():
         mesh(2, 2, 1, 3)
     with pytest.raises(ValueError, match="unevenly"):
         mesh(3, 2, 3, 2)  # a TP group of 3 over hosts of 2: 2 ranks on one host, 1 on the next
+
+
+def test_dp_is_the_outer_dimension_and_ep_may_span_it():
+    m = Mesh.of(ParallelConfig(dp=2, cp=3, tp=2, ep=4))  # ep over dp x tp (cp x tp is 6)
+    assert m.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+    assert m.cp_groups() == [[0, 2, 4], [1, 3, 5], [6, 8, 10], [7, 9, 11]]
+    assert m.dp_groups() == [[0, 6], [1, 7], [2, 8], [3, 9], [4, 10], [5, 11]]
+    assert m.ep_groups() == [[0, 1, 6, 7], [2, 3, 8, 9], [4, 5, 10, 11]]
+    assert m.coords(9) == {"dp": 1, "cp": 1, "tp": 1} and m.rank_of(1, 1, 1) == 9
+    kinds = [kind for kind, _ in m.all_groups()]
+    assert kinds == ["tp"] * 6 + ["cp"] * 4 + ["dp"] * 6 + ["ep"] * 3
+
+
+@pytest.mark.parametrize(
+    "parallel,ep_groups",
+    [
+        (ParallelConfig(ep=4), [[0, 1, 2, 3]]),  # dp=4: the whole world
+        (ParallelConfig(dp=2, tp=2, ep=2), [[0, 1], [2, 3]]),  # ep=tp: each replica's own experts
+        (ParallelConfig(dp=2, tp=2, cp=2, ep=2), [[0, 1], [2, 3], [4, 5], [6, 7]]),
+        (ParallelConfig(dp=4, tp=2, ep=4), [[0, 2, 4, 6], [1, 3, 5, 7]]),  # ep=dp: the dp groups
+    ],
+)
+def test_ep_groups_over_replicas(parallel, ep_groups):
+    m = Mesh.of(parallel)
+    assert m.ep_groups() == ep_groups
+    assert not m.ep_is_own_group  # the world, the tp or the dp groups serve
+
+
+def test_ep_over_replicas_across_hosts_is_two_shot():
+    # dp=2 replicas of cp=2, one replica per host; the EP group is all four ranks.
+    m = Mesh.of(ParallelConfig(dp=2, cp=2, ep=4, ranks_per_host=2))
+    assert m.two_shot
+    assert m.ep_intra_host_groups() == [[0, 1], [2, 3]]
+    assert m.ep_peer_groups() == [[0, 2], [1, 3]]

@@ -520,7 +520,7 @@ def test_api_key(live):
     assert [m.id for m in live.client.models.list().data] == [NAME]
     assert httpx.get(live.url + "/health").status_code == 200  # outside /v1: no key
     version = httpx.get(live.url + "/version").json()
-    assert version["version"] and version["parallel"] == {"tp": 1, "cp": 1, "ep": 1}
+    assert version["version"] and version["parallel"] == {"tp": 1, "cp": 1, "ep": 1, "dp": 1}
 
 
 def testscrape_metrics(live):
@@ -564,9 +564,9 @@ class FakeEngine:
     def __init__(self, error: BaseException | None):
         self.error, self.seqs, self.pending, self.aborted, self.closed = error, {}, [], [], False
         self.max_model_len, self.tokenizer, self.model_path = 64, None, "fake"
-        self.scheduler = SimpleNamespace(running=[], waiting=[])
-        self.block_manager = SimpleNamespace(num_free_blocks=8, num_blocks=8)
-        self.num_preemptions, self.cp_steps = 0, {}
+        blocks = SimpleNamespace(num_free_blocks=8, num_blocks=8)
+        self.replicas = [SimpleNamespace(running=[], waiting=[], num_preemptions=0, block_manager=blocks)]
+        self.cp_steps = {}
         self.dead: BaseException | None = None  # what check_health raises (a rank died)
 
     def tokenize(self, prompt, chat=False):

@@ -24,7 +24,7 @@ def load_run(path: str) -> dict:
         ok = [t for t, e in zip(point["ttfts"], point["errors"]) if not e]
         if ok:
             ttft_ms[point["input_len"]] = float(np.median(ok)) * 1000
-    layout = " ".join(f"{k}={parallel[k]}" for k in ("tp", "cp", "ep") if k in parallel)
+    layout = " ".join(f"{k}={parallel[k]}" for k in ("dp", "tp", "cp", "ep") if k in parallel)
     return {"path": path, "label": layout, "cp": int(parallel["cp"]), "ttft_ms": ttft_ms}
 
 

@@ -78,17 +78,25 @@ class BlockManager:
         At least the last token is left to compute, since its logits are needed.
         """
         assert not seq.block_table
-        if not self.enable_prefix_caching:
-            return
-        for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
-            block = self.cached.get(h)
-            if block is None:
-                break
+        for h in self._hashes(seq, self.num_cached_prefix_blocks(seq)):
+            block = self.cached[h]
             self._take(block)
             seq.block_table.append(block)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         seq.num_registered_blocks = len(seq.block_table)
         seq.num_prefix_cached_tokens = seq.num_computed_tokens
+
+    def num_cached_prefix_blocks(self, seq: Sequence) -> int:
+        """How many of the sequence's leading full blocks the prefix cache holds (nothing is
+        taken); at most all but the block of its last token, whose logits are needed."""
+        if not self.enable_prefix_caching:
+            return 0
+        count = 0
+        for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
+            if h not in self.cached:
+                break
+            count += 1
+        return count
 
     def _take(self, block: int) -> None:
         if self.ref_count[block] == 0:

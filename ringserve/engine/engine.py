@@ -20,6 +20,7 @@ from ringserve.config import EngineConfig, ModelConfig, ParallelConfig, resolve_
 from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.cp_policy import CPPolicy
 from ringserve.engine.detokenizer import IncrementalDetokenizer
+from ringserve.engine.dp_scheduler import DataParallelScheduler
 from ringserve.engine.executor import WorkerError, WorkerSpec
 from ringserve.engine.launched_step import LaunchedStep
 from ringserve.engine.loading import (
@@ -118,15 +119,24 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_path, config, self.tokenizer)
         self.cp_policy = CPPolicy(self.cp_algo, parallel.cp, config, self.dtype, self.device.type)
         num_blocks = self.executor.num_blocks * parallel.cp  # each CP rank has its own pool
-        self.block_manager = BlockManager(
-            num_blocks,
-            ec.block_size,
-            ec.enable_prefix_caching,
-            parallel.cp,
-            config.local_lookback,
-            release_outside_window=config.all_layers_local,
-        )
-        self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs)
+        # One scheduler and KV-cache pool per data-parallel replica (each its own requests).
+        self.replicas = [
+            Scheduler(
+                BlockManager(
+                    num_blocks,
+                    ec.block_size,
+                    ec.enable_prefix_caching,
+                    parallel.cp,
+                    config.local_lookback,
+                    release_outside_window=config.all_layers_local,
+                ),
+                ec.max_num_batched_tokens,
+                ec.max_num_seqs,
+            )
+            for _ in range(parallel.dp)
+        ]
+        self.block_manager = self.replicas[0].block_manager  # every replica's pool is this size
+        self.scheduler = self.replicas[0] if parallel.dp == 1 else DataParallelScheduler(self.replicas)
         self.seqs: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -137,13 +147,16 @@ class LLMEngine:
         self._undelivered: list[RequestOutput] = []  # read by a step that then raised
         self.steps_scheduled_ahead = 0  # steps launched before the previous one's tokens were read
         logger.info(
-            "model %s (%s) on %s in %s, tp=%d cp=%d; KV cache %d blocks of %d tokens; async scheduling %s",
+            "model %s (%s) on %s in %s, dp=%d tp=%d cp=%d ep=%d; KV cache %d blocks of %d tokens "
+            "(per replica); async scheduling %s",
             self.model_path,
             config.architecture,
             self.device,
             self.dtype,
+            parallel.dp,
             parallel.tp,
             parallel.cp,
+            parallel.ep,
             num_blocks,
             ec.block_size,
             "on" if self.async_scheduling else "off",
@@ -288,10 +301,13 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch, inflight: LaunchedStep | None) -> LaunchedStep:
         """Send a step to the device and sample it there; nothing waits for the device."""
-        step = StepInput.from_batch(batch, self.block_manager.layout)
-        if self.parallel.cp > 1:
-            step.cp_algo = self.cp_policy.choose(batch)
-            self.cp_steps[step.cp_algo] += 1
+        choose_cp_algo = self._choose_cp_algo if self.parallel.cp > 1 else None
+        if self.parallel.dp > 1:  # each replica's part of the step, its own ring under CP
+            step = self.scheduler.step_input(batch, choose_cp_algo)
+        else:
+            step = StepInput.from_batch(batch, self.block_manager.layout)
+            if choose_cp_algo is not None:
+                step.cp_algo = choose_cp_algo(batch)
         pending_tokens = None
         if inflight is not None:
             # A sequence's last token may still be on the device, sampled by `inflight`.
@@ -332,8 +348,9 @@ class LLMEngine:
             if seq.finished:  # ended (stop, abort) while this step was being launched
                 continue
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-            self.block_manager.release_outside_window(seq)
+            block_manager = self.replicas[seq.replica].block_manager
+            block_manager.cache_full_blocks(seq)
+            block_manager.release_outside_window(seq)
         for seq in launched.sampling:
             if not seq.finished:
                 seq.output_token_ids.append(PENDING_TOKEN)
@@ -403,6 +420,12 @@ class LLMEngine:
         out.error = f"{type(error).__name__}: {error}"
         self.seqs.pop(seq.request_id, None)
         return out
+
+    def _choose_cp_algo(self, batch: ScheduledBatch) -> str:
+        """The ring of a step (of one replica's part of it), counted in cp_steps."""
+        algo = self.cp_policy.choose(batch)
+        self.cp_steps[algo] += 1
+        return algo
 
     def _check_finished(self, seq: Sequence, token: int) -> None:
         params = seq.params

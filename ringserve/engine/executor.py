@@ -1,7 +1,8 @@
-"""Where the model runs: in this process, or on a world of tp x cp ranks driven by rank 0.
+"""Where the model runs: in this process, or on a world of dp x cp x tp ranks driven by rank 0.
 
-With several ranks, rank 0 (this process) schedules and samples; every step it sends the
-StepInput to all ranks over a gloo control group and runs its own shard. The other local
+With several ranks, rank 0 (this process) schedules and samples (every replica's, under
+data parallelism); every step it sends the StepInput (a DataParallelStep with dp > 1) to all
+ranks over a gloo control group and runs its own shard. The other local
 ranks are started here (forkserver processes, torch preloaded); under torchrun every rank
 was started by torchrun and the non-zero ranks serve steps inside `LLM(...)` until rank 0
 closes, then exit.
@@ -179,7 +180,7 @@ def _child_main(
 
 
 class MultiprocessExecutor:
-    """Rank 0's side of a tp x cp world."""
+    """Rank 0's side of a dp x cp x tp world."""
 
     def __init__(self, spec: WorkerSpec, show_progress: bool):
         self.spec = spec

@@ -57,7 +57,10 @@ def check_parallel_layout(config: ModelConfig, parallel: ParallelConfig, device:
         validate_tp(config, parallel.tp)
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     if device.type == "cuda" and torchrun_env() is None and parallel.world_size > gpus:
-        raise ValueError(f"tp x cp = {parallel.world_size} ranks need as many GPUs; this machine has {gpus}")
+        raise ValueError(
+            f"dp x cp x tp = {parallel.dp} x {parallel.cp} x {parallel.tp} = {parallel.world_size} "
+            f"ranks need as many GPUs on this host (without torchrun); this machine has {gpus}"
+        )
     if parallel.ep > 1 and (not config.is_moe or config.num_experts % parallel.ep):
         raise ValueError(
             f"ep={parallel.ep} needs a mixture-of-experts model whose experts divide evenly; "
@@ -72,7 +75,7 @@ def start_executor(
     show_progress: bool,
     weights: Mapping[str, torch.Tensor] | None,
 ) -> LocalExecutor | MultiprocessExecutor:
-    """The ranks that run the model: this process alone, or rank 0 of a tp x cp world (its
+    """The ranks that run the model: this process alone, or rank 0 of a dp x cp x tp world (its
     own processes, or torchrun's). A non-zero torchrun rank serves rank 0 here, then exits."""
     parallel = spec.parallel
     if parallel.world_size > 1 or torchrun_env() is not None:

@@ -38,6 +38,7 @@ class Sequence:
         self.status = Status.WAITING
         self.block_table: list[int] = []  # KV-cache block of each block_size tokens
         self.row: int | None = None  # its row of the runners' step state while running
+        self.replica = 0  # the data-parallel replica serving it (engine/dp_scheduler.py)
         self.num_synced_blocks = 0  # leading blocks of block_table the runners already hold
         self.num_released_blocks = 0  # leading blocks released: outside every layer's window
         self.num_computed_tokens = 0  # tokens whose KV is in the cache

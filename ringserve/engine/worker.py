@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ringserve.config import EngineConfig, ModelConfig, TPShard
+from ringserve.engine.dp_step import DataParallelStep, run_replica_step
 from ringserve.engine.graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from ringserve.engine.kv_cache import KVCache
 from ringserve.engine.runner import ModelRunner
@@ -141,6 +142,12 @@ class Worker:
         return num_blocks
 
     def execute(
-        self, step: StepInput, all_logits: bool = False, pending_tokens: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        step: StepInput | DataParallelStep,
+        all_logits: bool = False,
+        pending_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """The step's logits (on rank 0; under data parallelism None on the other ranks)."""
+        if isinstance(step, DataParallelStep):
+            return run_replica_step(self, step, all_logits)
         return self.runner.forward(step, all_logits, pending_tokens)

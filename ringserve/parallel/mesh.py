@@ -1,9 +1,14 @@
 """One device mesh for the whole job, and every process group taken from it.
 
-World ranks are laid out cp-major, tp-minor (rank = cp_rank * tp + tp_rank), so a TP group
-is a block of consecutive ranks (one host) and CP runs across hosts, as in the paper. Hosts
-hold consecutive ranks too (rank = host * ranks_per_host + local rank): the host dimension
-decides which EP groups span hosts and so use the two-shot all-to-all.
+The mesh has three named dimensions, outermost first: dp (data-parallel replicas, each with
+its own requests, scheduler and KV cache), cp and tp. World ranks are laid out dp-major,
+tp-minor (rank = (dp_rank * cp + cp_rank) * tp + tp_rank), so a TP group is a block of
+consecutive ranks (one host), CP runs across hosts, as in the paper, and a replica is a
+block of tp x cp consecutive ranks. Hosts hold consecutive ranks too (rank = host *
+ranks_per_host + local rank): the host dimension decides which EP groups span hosts and so
+use the two-shot all-to-all. An EP group is the ranks of a product of axes (ParallelConfig.ep_axes)
+flattened in rank order: with dp among them, attention runs data-parallel and the experts
+are spread over the replicas.
 
 `Mesh` is the arithmetic alone (which ranks form each group, no processes); `init_groups`
 joins the world and creates every group of the mesh on every rank, in one fixed order:
@@ -14,6 +19,7 @@ not in, or made them in its own order, would pair its groups with other ranks' w
 from __future__ import annotations
 
 import datetime
+import itertools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -22,29 +28,31 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ringserve.config import ParallelConfig
+from ringserve.config import MESH_AXES, ParallelConfig
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """Sizes of the mesh: tp x cp ranks, ep of them per EP group, ranks_per_host per host."""
+    """Sizes of the mesh: dp replicas of tp x cp ranks, ep of them per EP group, ranks_per_host per host."""
 
     tp: int
     cp: int
     ep: int
     ranks_per_host: int
+    dp: int = 1
 
     @classmethod
     def of(cls, parallel: ParallelConfig) -> Mesh:
         """ranks_per_host None (or above the world): the whole world is one host."""
         world = parallel.world_size
         per_host = min(parallel.ranks_per_host or world, world)
-        return cls(parallel.tp, parallel.cp, parallel.ep, per_host)
+        return cls(parallel.tp, parallel.cp, parallel.ep, per_host, parallel.dp)
 
     def __post_init__(self):
         if self.world_size % self.ranks_per_host:
             raise ValueError(
-                f"tp x cp = {self.world_size} ranks do not fill hosts of {self.ranks_per_host} ranks"
+                f"dp x cp x tp = {self.dp} x {self.cp} x {self.tp} = {self.world_size} ranks do not "
+                f"fill hosts of {self.ranks_per_host} ranks"
             )
         # The two-shot all-to-all pairs the k-th EP rank on each host: every EP group needs
         # the same number of ranks on each host it spans.
@@ -57,26 +65,67 @@ class Mesh:
             )
 
     @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.tp, self.cp, self.ep, dp=self.dp)  # validates ep
+
+    @property
     def world_size(self) -> int:
-        return self.tp * self.cp
+        return self.dp * self.cp * self.tp
+
+    @property
+    def replica_size(self) -> int:
+        return self.cp * self.tp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each axis."""
+        replica, inner = divmod(rank, self.replica_size)
+        cp_rank, tp_rank = divmod(inner, self.tp)
+        return {"dp": replica, "cp": cp_rank, "tp": tp_rank}
+
+    def rank_of(self, dp: int, cp: int, tp: int) -> int:
+        return (dp * self.cp + cp) * self.tp + tp
 
     def host_of(self, rank: int) -> int:
         return rank // self.ranks_per_host
 
+    def groups_over(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """The groups spanning `axes` (the ranks that agree on every other axis), each in rank
+        order, ordered by the other axes' coordinates."""
+        sizes = {a: getattr(self, a) for a in MESH_AXES}
+        others = [a for a in MESH_AXES if a not in axes]
+        groups = []
+        for fixed in itertools.product(*(range(sizes[a]) for a in others)):
+            at = dict(zip(others, fixed))
+            group = []
+            for moving in itertools.product(*(range(sizes[a]) for a in axes)):
+                at.update(zip(axes, moving))
+                group.append(self.rank_of(at["dp"], at["cp"], at["tp"]))
+            groups.append(sorted(group))
+        return groups
+
     def tp_groups(self) -> list[list[int]]:
-        return [[c * self.tp + t for t in range(self.tp)] for c in range(self.cp)]
+        return self.groups_over(("tp",))
 
     def cp_groups(self) -> list[list[int]]:
-        return [[c * self.tp + t for c in range(self.cp)] for t in range(self.tp)]
+        return self.groups_over(("cp",))
+
+    def dp_groups(self) -> list[list[int]]:
+        """The ranks of one (cp, tp) place in every replica; the first holds each replica's
+        leader (cp_rank 0, tp_rank 0), where its logits are gathered to rank 0."""
+        return self.groups_over(("dp",))
 
     def ep_groups(self) -> list[list[int]]:
         """Each EP group's world ranks in EP-rank order (ascending, so host-major)."""
-        axes = ParallelConfig(self.tp, self.cp, self.ep).ep_axes  # validates ep
+        axes = self.parallel.ep_axes
         if not axes:
             return [[r] for r in range(self.world_size)]
-        if len(axes) == 2:
-            return [list(range(self.world_size))]
-        return self.tp_groups() if axes == ("tp",) else self.cp_groups()
+        return self.groups_over(axes)
+
+    @property
+    def ep_is_own_group(self) -> bool:
+        """The EP groups are neither one axis's groups nor the whole world: made as their own."""
+        axes = self.parallel.ep_axes
+        return len(axes) > 1 and self.ep < self.world_size
 
     @property
     def ep_ranks_per_host(self) -> int:
@@ -106,11 +155,14 @@ class Mesh:
     def all_groups(self) -> list[tuple[str, list[int]]]:
         """(kind, ranks) of every group to create, in the order every rank creates them.
 
-        The EP group itself is the tp, cp or world group (the same ranks), so it is not made twice.
+        An EP group that is the tp, cp or dp group, or the whole world (the same ranks), is
+        not made twice; with one replica there are no dp groups.
         """
         kinds = {
             "tp": self.tp_groups(),
             "cp": self.cp_groups(),
+            "dp": self.dp_groups() if self.dp > 1 else [],
+            "ep": self.ep_groups() if self.ep_is_own_group else [],
             "ep_intra_host": self.ep_intra_host_groups(),
             "ep_peers": self.ep_peer_groups(),
         }
@@ -124,7 +176,8 @@ class ParallelGroups:
     device: torch.device
     tp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
-    ep_group: dist.ProcessGroup | None = None  # the tp, cp or whole-world processes
+    dp_group: dist.ProcessGroup | None = None  # this rank's place (cp, tp) in every replica
+    ep_group: dist.ProcessGroup | None = None  # the ranks of ParallelConfig.ep_axes
     ep_replicated_group: dist.ProcessGroup | None = None  # EP ranks holding the same tokens (TP)
     ep_intra_host_group: dist.ProcessGroup | None = None  # two-shot: this EP group's ranks on this host
     ep_peer_group: dist.ProcessGroup | None = None  # two-shot: its ranks of this local index, one per host
@@ -133,9 +186,16 @@ class ParallelGroups:
     tp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
+    dp_rank: int = 0  # this rank's replica
+    dp_size: int = 1
     ep_rank: int = 0
     ep_size: int = 1
     mesh: Mesh | None = None
+
+    @property
+    def replica_leader(self) -> bool:
+        """cp_rank 0, tp_rank 0: holds its replica's logits after a step (gathered to rank 0)."""
+        return self.cp_rank == 0 and self.tp_rank == 0
 
     @classmethod
     def single(cls, device: torch.device) -> ParallelGroups:
@@ -179,8 +239,8 @@ def init_groups(
     """
     if world_size != parallel.world_size:
         raise ValueError(
-            f"{world_size} processes were started, but tp={parallel.tp} x cp={parallel.cp} "
-            f"needs {parallel.world_size}"
+            f"{world_size} processes were started, but dp={parallel.dp} x cp={parallel.cp} x "
+            f"tp={parallel.tp} needs {parallel.world_size}"
         )
     mesh = Mesh.of(parallel)  # refuses hosts the layout cannot fill before joining
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -221,20 +281,29 @@ def build_groups(mesh: Mesh, rank: int, device: torch.device, timeout: datetime.
         group = dist.new_group(ranks, timeout=timeout)  # collective: every rank, every group
         if rank in ranks:
             mine[kind] = group
-    axes = ParallelConfig(mesh.tp, mesh.cp, mesh.ep).ep_axes
-    ep_group = mine[axes[0]] if len(axes) == 1 else (dist.group.WORLD if axes else None)
-    cp_rank, tp_rank = divmod(rank, mesh.tp)
+    axes = mesh.parallel.ep_axes
+    if not axes:
+        ep_group = None
+    elif mesh.ep == mesh.world_size:
+        ep_group = dist.group.WORLD
+    else:
+        ep_group = mine["ep" if mesh.ep_is_own_group else axes[0]]
+    at = mesh.coords(rank)
     return ParallelGroups(
         rank=rank,
         world_size=mesh.world_size,
         device=device,
         tp_group=mine["tp"],
         cp_group=mine["cp"],
-        tp_rank=tp_rank,
+        dp_group=mine.get("dp"),
+        tp_rank=at["tp"],
         tp_size=mesh.tp,
-        cp_rank=cp_rank,
+        cp_rank=at["cp"],
         cp_size=mesh.cp,
+        dp_rank=at["dp"],
+        dp_size=mesh.dp,
         ep_group=ep_group,
+        # TP ranks inside an EP group hold the same tokens: each dispatches a share of them.
         ep_replicated_group=mine["tp"] if "tp" in axes and mesh.tp > 1 else None,
         ep_intra_host_group=mine.get("ep_intra_host"),
         ep_peer_group=mine.get("ep_peers"),

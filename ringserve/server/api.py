@@ -618,7 +618,9 @@ def build_app(
     @app.get("/version", response_model=P.VersionInfo)
     async def version():
         # the layout lets a benchmark result say what it measured (cp scaling, tp, ep)
-        parallel = P.ParallelLayout(tp=engine.parallel.tp, cp=engine.parallel.cp, ep=engine.parallel.ep)
+        parallel = P.ParallelLayout(
+            tp=engine.parallel.tp, cp=engine.parallel.cp, ep=engine.parallel.ep, dp=engine.parallel.dp
+        )
         return P.VersionInfo(version=ringserve.__version__, parallel=parallel)
 
     @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)

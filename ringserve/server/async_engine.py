@@ -83,7 +83,8 @@ class AsyncEngine:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: threading.Thread | None = None
         self._stopping = False
-        self._seen_preemptions = 0  # engine counters already added to the metrics
+        # Engine counters already added to the metrics (preemptions per replica).
+        self._seen_preemptions: dict[int, int] = {}
         self._seen_cp: dict[str, int] = {}
 
     # Event-loop side ---------------------------------------------------------------------
@@ -301,15 +302,14 @@ class AsyncEngine:
         if m is None:
             return
         engine = self.engine
-        sched = engine.scheduler
-        m.running.set(len(sched.running))
-        m.waiting.set(len(sched.waiting))
-        bm = engine.block_manager
-        m.kv_usage.set(1.0 - bm.num_free_blocks / bm.num_blocks if bm.num_blocks else 0.0)
-        preemptions = engine.num_preemptions
-        if preemptions > self._seen_preemptions:
-            m.preemptions.inc(preemptions - self._seen_preemptions)
-            self._seen_preemptions = preemptions
+        for replica, sched in enumerate(engine.replicas):  # one scheduler per data-parallel replica
+            m.running(replica).set(len(sched.running))
+            m.waiting(replica).set(len(sched.waiting))
+            bm = sched.block_manager
+            m.kv_usage(replica).set(1.0 - bm.num_free_blocks / bm.num_blocks if bm.num_blocks else 0.0)
+            preempted = sched.num_preemptions - self._seen_preemptions.get(replica, 0)
+            m.preemptions(replica).inc(preempted)  # also shows a replica's count while 0
+            self._seen_preemptions[replica] = sched.num_preemptions
         for algo, n in engine.cp_steps.items():
             seen = self._seen_cp.get(algo, 0)
             if n > seen:

@@ -35,12 +35,28 @@ class Metrics:
             "Time spent waiting before the first step, in seconds.",
             _REQUEST,
         )
-        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        # Per data-parallel replica, under vLLM's label for it ("engine": "0" with one replica).
+        per_replica = ["model_name", "engine"]
+        self._running = Gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            per_replica,
+            registry=r,
+        )
+        self._waiting = Gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            per_replica,
+            registry=r,
+        )
+        self._kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", per_replica, registry=r
+        )
+        self._preemptions = Counter(
+            "vllm:num_preemptions", "Cumulative number of preemptions.", per_replica, registry=r
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in prompt tokens.")
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix-cache queries, in prompt tokens.")
         self.request_success = Counter(
@@ -55,6 +71,18 @@ class Metrics:
             ["model_name", "algo"],
             registry=r,
         )
+
+    def running(self, replica: int):
+        return self._running.labels(self.model_name, str(replica))
+
+    def waiting(self, replica: int):
+        return self._waiting.labels(self.model_name, str(replica))
+
+    def kv_usage(self, replica: int):
+        return self._kv_usage.labels(self.model_name, str(replica))
+
+    def preemptions(self, replica: int):
+        return self._preemptions.labels(self.model_name, str(replica))
 
     def cp_steps(self, algo: str):
         return self._cp_steps.labels(self.model_name, algo)

@@ -262,6 +262,7 @@ class ParallelLayout(BaseModel):
     tp: int
     cp: int
     ep: int
+    dp: int = 1  # data-parallel replicas
 
 
 class VersionInfo(BaseModel):

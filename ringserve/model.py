@@ -426,9 +426,11 @@ class Transformer(nn.Module):
             x, residual = layer(x, residual, pos[self.config.rope_key(i)], ctx)
         return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
-    def moe_blocks(self) -> list[SparseMoeBlock]:
-        """The MoE blocks in layer order (under EP, each one dispatch and combine per step)."""
-        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    def moe_blocks(self) -> list[nn.Module]:
+        """The MoE blocks in layer order (under EP, each one dispatch and combine per step),
+        of every family (SparseMoeBlock, Llama4MoeBlock, GptOssMoeBlock)."""
+        layers = self.model.layers
+        return [layer.mlp for i, layer in enumerate(layers) if self.config.layer_is_sparse(i)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V_local] float32: this rank's vocabulary rows (all of them on one rank)."""

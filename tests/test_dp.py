@@ -216,10 +216,11 @@ def test_moe_over_replicas_equals_one_rank_and_transformers(arch, layout, tiny_m
         assert cross_host_bytes > 0  # the EP group spans the two hosts: two-shot
 
 
-def test_an_idle_replica_does_not_hang_the_world(tiny_model_dir):
+@pytest.mark.parametrize("arch", ["mixtral", "llama4", "gpt_oss"])  # every family's MoE block
+def test_an_idle_replica_does_not_hang_the_world(arch, tiny_model_dir):
     """One request on two replicas: the other replica has nothing to do in any step, and still
     joins every MoE layer's all-to-all."""
-    folder = tiny_model_dir("mixtral")
+    folder = tiny_model_dir(arch)
     prompt = [5, 17, 42, 99, 3, 250, 7]
     with LLM(folder, **ENGINE, ep=2) as llm:
         started = time.monotonic()

@@ -21,6 +21,7 @@ from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.cp_policy import CPPolicy
 from ringserve.engine.detokenizer import IncrementalDetokenizer
 from ringserve.engine.executor import WorkerError, WorkerSpec
+from ringserve.engine.kv_groups import KVGroups
 from ringserve.engine.launched_step import LaunchedStep
 from ringserve.engine.loading import (
     check_parallel_layout,
@@ -118,13 +119,14 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_path, config, self.tokenizer)
         self.cp_policy = CPPolicy(self.cp_algo, parallel.cp, config, self.dtype, self.device.type)
         num_blocks = self.executor.num_blocks * parallel.cp  # each CP rank has its own pool
+        self.kv_groups = KVGroups.for_model(config, parallel.cp)  # the workers' grouping
         self.block_manager = BlockManager(
             num_blocks,
             ec.block_size,
             ec.enable_prefix_caching,
             parallel.cp,
             config.local_lookback,
-            release_outside_window=config.all_layers_local,
+            group_lookbacks=self.kv_groups.lookbacks,
         )
         self.scheduler = Scheduler(self.block_manager, ec.max_num_batched_tokens, ec.max_num_seqs)
         self.seqs: dict[str, Sequence] = {}
@@ -231,6 +233,7 @@ class LLMEngine:
             vocab_size=self.model_config.vocab_size,
             num_blocks=self.block_manager.num_blocks,
             block_size=self.block_manager.block_size,
+            kv_groups=self.kv_groups,
         )
 
     def check_params(self, params: SamplingParams) -> None:

@@ -102,7 +102,7 @@ class Scheduler:
             seq = self.waiting[0]
             # Cached tokens have no logits: a request that still wants its prompt's
             # logprobs computes the whole prompt (its blocks still fill the cache).
-            if not seq.block_table and not seq.needs_prompt_logits:
+            if not seq.block_tables and not seq.needs_prompt_logits:
                 self.block_manager.match_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.allocate(seq, n):

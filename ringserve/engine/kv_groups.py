@@ -1,0 +1,87 @@
+"""Layers grouped by how far back they read the KV cache, so each group keeps only the
+blocks its own layers can still see (per-layer-type block accounting, as vLLM's hybrid
+KV-cache manager does).
+
+Layers with the same lookback (full attention: unbounded; a sliding window W: W - 1; a
+chunk C: up to C - 1) form a group; each group has its own block table per sequence, and
+a group whose lookback is bounded releases the blocks before it. All groups take their
+blocks from one pool.
+
+Memory: the groups all have `group_size` layers (a layer type with more layers is cut into
+several groups of that size, each with its own table; vLLM does the same), and there are
+`group_size` KV tensors, not one per layer: layer j of every group uses tensor j. So a
+block id is one block in each of the group_size tensors,
+
+    bytes per block = 2 (k, v) * group_size * block_size * NKV * D * element size,
+
+and a sequence of L tokens holds ceil(L / block_size) blocks in each full group and about
+lookback / block_size + 1 in each windowed one. For gpt-oss (12 sliding-128 and 12 full
+layers: two groups of 12) that is 12 layers' worth of L + 128 tokens instead of 24 layers'
+worth of L; for Gemma 3 (5 sliding per full layer) one full group and five windowed ones.
+
+One group (no window, one window on every layer, or context parallelism, whose layout
+places one table per sequence) is the whole model: tensor j is layer j, as without groups.
+Under CP a model with some full layers keeps every block; an all-windowed one releases by
+its longest lookback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ringserve.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    lookback: int | None  # the most keys before its own position a query sees; None: all
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    groups: tuple[KVGroup, ...]
+    layer_group: tuple[int, ...]  # per layer: its group
+    layer_tensor: tuple[int, ...]  # per layer: its KV tensor
+    group_size: int  # layers per group: the number of KV tensors
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, cp_size: int = 1) -> KVGroups:
+        num_layers = config.num_hidden_layers
+        lookbacks = [config.attention_window(i).lookback() for i in range(num_layers)]
+        if cp_size > 1 or len(set(lookbacks)) == 1:
+            lookback = config.local_lookback if config.all_layers_local else None
+            return cls(
+                (KVGroup(lookback, tuple(range(num_layers))),),
+                (0,) * num_layers,
+                tuple(range(num_layers)),
+                num_layers,
+            )
+        by_lookback: dict[int | None, list[int]] = {}
+        for layer, lookback in enumerate(lookbacks):
+            by_lookback.setdefault(lookback, []).append(layer)
+        size = min(len(layers) for layers in by_lookback.values())
+        groups, layer_group, layer_tensor = [], [0] * num_layers, [0] * num_layers
+        for lookback, layers in by_lookback.items():
+            for first in range(0, len(layers), size):
+                for j, layer in enumerate(layers[first : first + size]):
+                    layer_group[layer], layer_tensor[layer] = len(groups), j
+                groups.append(KVGroup(lookback, tuple(layers[first : first + size])))
+        return cls(tuple(groups), tuple(layer_group), tuple(layer_tensor), size)
+
+    @property
+    def lookbacks(self) -> tuple[int | None, ...]:
+        return tuple(g.lookback for g in self.groups)
+
+    def min_blocks(self, num_tokens: int, block_size: int) -> int:
+        """The fewest blocks a sequence of num_tokens computed tokens holds over all groups
+        (a windowed group at least the blocks its last token's window touches)."""
+        blocks = -(-num_tokens // block_size)
+        total = 0
+        for lookback in self.lookbacks:
+            if lookback is None:
+                total += blocks
+            else:
+                first = max(0, num_tokens - 1 - lookback) // block_size
+                total += blocks - first
+        return total

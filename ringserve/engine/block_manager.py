@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from ringserve.engine.kv_groups import min_blocks
 from ringserve.engine.sequence import Sequence
 from ringserve.parallel.cp_layout import CPLayout
 
@@ -70,6 +71,11 @@ class BlockManager:
     def blocks_held(self, seq: Sequence) -> list[int]:
         """Per group, the blocks the sequence holds (not released)."""
         return [sum(1 for b in table if b != RELEASED) for table in seq.block_tables]
+
+    def fits_in_chunks(self, seq: Sequence) -> bool:
+        """Whether the sequence, alone, fits the cache computed a chunk at a time (windowed
+        groups release blocks between chunks)."""
+        return min_blocks(self.group_lookbacks, seq.num_tokens, self.block_size) <= self.num_blocks
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """New blocks per group (every group's table grows alike)."""

@@ -74,14 +74,16 @@ class KVGroups:
         return tuple(g.lookback for g in self.groups)
 
     def min_blocks(self, num_tokens: int, block_size: int) -> int:
-        """The fewest blocks a sequence of num_tokens computed tokens holds over all groups
-        (a windowed group at least the blocks its last token's window touches)."""
-        blocks = -(-num_tokens // block_size)
-        total = 0
-        for lookback in self.lookbacks:
-            if lookback is None:
-                total += blocks
-            else:
-                first = max(0, num_tokens - 1 - lookback) // block_size
-                total += blocks - first
-        return total
+        return min_blocks(self.lookbacks, num_tokens, block_size)
+
+
+def min_blocks(lookbacks: tuple[int | None, ...], num_tokens: int, block_size: int) -> int:
+    """The fewest blocks a sequence of num_tokens tokens holds over groups with these
+    lookbacks, computed a chunk at a time: a full group all of them, a windowed group at
+    least the blocks its last token's window touches."""
+    blocks = -(-num_tokens // block_size)
+    total = 0
+    for lookback in lookbacks:
+        first = 0 if lookback is None else max(0, num_tokens - 1 - lookback) // block_size
+        total += blocks - first
+    return total

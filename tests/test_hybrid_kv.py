@@ -24,8 +24,8 @@ def hybrid(tmp_path_factory):
 
 def test_groups_follow_layer_types():
     """Layers group by lookback, every group of the smallest type's size (3 sliding and 1
-    full: four groups of one layer, one KV tensor); no window, one window everywhere, or
-    CP: one group of every layer (tensor j is layer j)."""
+    full: four groups of one layer, one KV tensor); no window or one window everywhere: one
+    group of every layer (tensor j is layer j)."""
     from ringserve.config import AttentionWindow, ModelConfig
     from ringserve.engine.kv_cache import KVCache
     from ringserve.engine.kv_groups import KVGroups
@@ -41,8 +41,8 @@ def test_groups_follow_layer_types():
     groups = KVGroups.for_model(config([sliding, full] * 2))  # gpt-oss-like: two groups of 2
     assert groups.lookbacks == (7, None) and groups.layer_tensor == (0, 0, 1, 1)
     assert KVCache.bytes_per_block(groups, 4, 1, 4, torch.float32) == 2 * 2 * 4 * 4 * 4
-    for windows, cp, lookback in (([full] * 2, 1, None), ([sliding] * 3, 1, 7), ([sliding, full], 2, None)):
-        groups = KVGroups.for_model(config(windows), cp)
+    for windows, lookback in (([full] * 2, None), ([sliding] * 3, 7)):
+        groups = KVGroups.for_model(config(windows))
         assert groups.lookbacks == (lookback,) and groups.layer_tensor == tuple(range(len(windows)))
     # 30 tokens: the full group holds 8 blocks, a windowed one blocks 5.. (its last token sees 22..).
     assert KVGroups.for_model(config([sliding, full])).min_blocks(30, 4) == 8 + 3
@@ -182,15 +182,25 @@ def test_hybrid_preemption_under_memory_pressure_matches_transformers(hybrid):
         assert out.token_ids == hf_greedy(ref, prompt, 60)
 
 
-def test_hybrid_under_cp2_generates_as_transformers(hybrid):
-    """cp=2 (one KV group: the CP layout places one table per sequence; the full layer
-    keeps every block): greedy tokens over a prompt several windows long equal transformers'."""
+def test_hybrid_under_cp2_matches_transformers_with_bounded_windowed_groups(hybrid):
+    """cp=2, blocks of 4: logits of a 40-token prefill and decode to 60 through the ring
+    within 1e-4 of transformers'; then two sequences at once whose windowed groups hold at
+    most WINDOW_BLOCKS each over both ranks' pools while their greedy tokens equal
+    transformers'."""
     from ringserve import LLM, SamplingParams
+    from ringserve.engine.logits_probe import engine_logits
     from ringserve.tiny_models import hf_greedy
 
     folder, ref = hybrid
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [TOKENS[:30], TOKENS[40:52]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     with LLM(folder, device="cpu", dtype="float32", block_size=BS, cp=2, timeout_s=60) as llm:
-        assert llm.engine.kv_groups.lookbacks == (None,)
-        out = llm.generate([TOKENS[:40]], params)[0]
-    assert out.token_ids == hf_greedy(ref, TOKENS[:40], 12)
+        assert llm.engine.kv_groups.lookbacks == (7, 7, 7, None)
+        ours = engine_logits(llm.engine, TOKENS[:60], prefill=40)
+        tokens, most, _ = _run_counting_blocks(llm.engine, prompts, params)
+    with torch.no_grad():
+        expected = ref(torch.tensor([TOKENS[:60]])).logits[0]
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+    assert all(0 < held <= WINDOW_BLOCKS for held in most[:3]), most
+    for prompt, got in zip(prompts, tokens):
+        assert got == hf_greedy(ref, prompt, 24)

@@ -111,8 +111,12 @@ class BlockManager:
         hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
         found = [[(g, h) in self.cached for h in hashes] for g in range(self.num_groups)]
         n = len(hashes)
+        if self.num_ranks > 1:
+            # Under CP the layout counts where every cached token lives, and a logical block
+            # lies on one rank in every group: each group's cached block, all on one rank.
+            n = next((i for i, h in enumerate(hashes) if not self._same_rank_in_every_group(h)), n)
         for g in range(self.num_groups):
-            if self.group_lookbacks[g] is None or self.num_ranks > 1:
+            if self.group_lookbacks[g] is None:
                 n = min(n, found[g].index(False) if False in found[g] else n)
         while n > 0 and not all(
             all(found[g][self._first_held(g, n * self.block_size) : n]) for g in range(self.num_groups)
@@ -133,6 +137,10 @@ class BlockManager:
         seq.num_computed_tokens = n * self.block_size
         seq.num_registered_blocks = n
         seq.num_prefix_cached_tokens = seq.num_computed_tokens
+
+    def _same_rank_in_every_group(self, h: int) -> bool:
+        blocks = [self.cached.get((g, h)) for g in range(self.num_groups)]
+        return None not in blocks and len({self.layout.rank_of(b) for b in blocks}) == 1
 
     def _take(self, block: int) -> None:
         if self.ref_count[block] == 0:

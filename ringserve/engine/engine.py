@@ -119,7 +119,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_path, config, self.tokenizer)
         self.cp_policy = CPPolicy(self.cp_algo, parallel.cp, config, self.dtype, self.device.type)
         num_blocks = self.executor.num_blocks * parallel.cp  # each CP rank has its own pool
-        self.kv_groups = KVGroups.for_model(config, parallel.cp)  # the workers' grouping
+        self.kv_groups = KVGroups.for_model(config)  # the workers' grouping
         self.block_manager = BlockManager(
             num_blocks,
             ec.block_size,

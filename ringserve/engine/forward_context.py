@@ -83,13 +83,16 @@ class RingAttentionContext(_StepContext):
     """ForwardContext of one step on one CP rank: this rank's new KV goes to its slots; its
     queries meet every rank's keys through the ring (pass-KV or pass-Q)."""
 
-    local_slots: torch.Tensor  # [K_mine] local slots of every key this rank holds, per sequence
+    local_slots: (
+        torch.Tensor
+    )  # [G, K_mine] per KV group, local slots of every key this rank holds, per sequence
     ring: Callable  # RingAttention: (q, k_local, v_local, window) -> (out, lse)
 
     def attend(self, layer: int, q, k, v, sinks=None):
         k_cache, v_cache = self.write_kv(layer, k, v)
         window = self.window(layer)
         rows = self.ring.local_key_rows(window)  # a window: only the keys some query sees
-        slots = self.local_slots if rows is None else self.local_slots[rows]
+        group_slots = self.local_slots[self.kv_cache.groups.layer_group[layer]]
+        slots = group_slots if rows is None else group_slots[rows]
         out, lse = self.ring(q, k_cache[slots], v_cache[slots], window)
         return add_sinks(out, lse, sinks)

@@ -19,10 +19,10 @@ lookback / block_size + 1 in each windowed one. For gpt-oss (12 sliding-128 and 
 layers: two groups of 12) that is 12 layers' worth of L + 128 tokens instead of 24 layers'
 worth of L; for Gemma 3 (5 sliding per full layer) one full group and five windowed ones.
 
-One group (no window, one window on every layer, or context parallelism, whose layout
-places one table per sequence) is the whole model: tensor j is layer j, as without groups.
-Under CP a model with some full layers keeps every block; an all-windowed one releases by
-its longest lookback.
+One group (no window, or one window on every layer: Mistral) is the whole model: tensor j
+is layer j, as without groups. Under context parallelism a logical block lies on the same
+rank in every group (the layout places each group's tables alike), each rank's share of a
+group's table on that rank.
 """
 
 from __future__ import annotations
@@ -46,13 +46,12 @@ class KVGroups:
     group_size: int  # layers per group: the number of KV tensors
 
     @classmethod
-    def for_model(cls, config: ModelConfig, cp_size: int = 1) -> KVGroups:
+    def for_model(cls, config: ModelConfig) -> KVGroups:
         num_layers = config.num_hidden_layers
         lookbacks = [config.attention_window(i).lookback() for i in range(num_layers)]
-        if cp_size > 1 or len(set(lookbacks)) == 1:
-            lookback = config.local_lookback if config.all_layers_local else None
+        if len(set(lookbacks)) == 1:
             return cls(
-                (KVGroup(lookback, tuple(range(num_layers))),),
+                (KVGroup(lookbacks[0], tuple(range(num_layers))),),
                 (0,) * num_layers,
                 tuple(range(num_layers)),
                 num_layers,

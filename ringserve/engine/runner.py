@@ -73,10 +73,7 @@ class ModelRunner:
 
     def _apply_table_updates(self, step: StepInput) -> None:
         # Under CP this rank's table holds its share: the local blocks the layout sent it.
-        if step.cp is None:
-            updates = step.table_updates
-        else:  # one KV group under CP
-            updates = [(0, row, col, blocks) for row, col, blocks in step.cp.table_updates[self.cp_rank]]
+        updates = step.table_updates if step.cp is None else step.cp.table_updates[self.cp_rank]
         self.block_tables.apply(updates)
         self.host_elements += sum(4 * len(blocks) for *_, blocks in updates)
 
@@ -105,10 +102,10 @@ class ModelRunner:
         # Every key this rank holds of the step's sequences, new ones included, packed per
         # sequence in position order (what the ring's metadata counts).
         my_keys = ring_step.keys[self.cp_rank].tolist()
-        key_slots = self.block_tables.key_slots(step.rows, my_keys, self.kv_cache.block_size)
+        key_slots = self.block_tables.key_slots(step.rows, my_keys, self.kv_cache.block_size)  # [G, K_mine]
         ctx = RingAttentionContext(
             self.kv_cache,
-            ring_step.slots[mine].to(dev)[None],  # [1, T_mine]: one KV group
+            ring_step.slots[:, mine].to(dev),  # [G, T_mine]
             self.all_reduce,
             self.run_experts,
             local_slots=key_slots,

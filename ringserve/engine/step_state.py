@@ -45,16 +45,17 @@ class BlockTables:
         self.tables[index[0], index[1], index[2]] = blocks_d.to(torch.int32)
 
     def key_slots(self, rows: list[int], counts: list[int], block_size: int) -> torch.Tensor:
-        """[sum(counts)] int64 on the device: the slots of each row's first counts[i] keys,
-        packed row after row (under CP: every key this rank holds of each sequence, in
-        position order). Host work O(rows); the per-key index is made on the device."""
+        """[groups, sum(counts)] int64 on the device: per KV group, the slots of each row's
+        first counts[i] keys, packed row after row (under CP: every key this rank holds of
+        each sequence, in position order; a windowed group's released entries give slots
+        no query of the step sees). Host work O(rows); the per-key index is made on the device."""
         total = sum(counts)
         host = torch.tensor([rows, counts], dtype=torch.int64).to(self.device, non_blocking=True)
         row_d, count_d = host[0], host[1]
         first = torch.cumsum(count_d, 0) - count_d  # [S] where each row's keys start
         key_row = row_d.repeat_interleave(count_d, output_size=total)  # [K]
         index = torch.arange(total, device=self.device) - first.repeat_interleave(count_d, output_size=total)
-        blocks = self.tables[0, key_row, index // block_size].long()  # CP: one KV group
+        blocks = self.tables[:, key_row, index // block_size].long()  # [G, K]
         return blocks * block_size + index % block_size
 
 

@@ -67,7 +67,7 @@ class Worker:
         else:
             self.run_experts = LocalExperts(self.all_reduce)
         ec = engine_config
-        kv_groups = KVGroups.for_model(config, groups.cp_size)
+        kv_groups = KVGroups.for_model(config)
         self.num_blocks = self._num_blocks(config, kv_groups, shard, dtype, ec, max_model_len)
         self.kv_cache = KVCache(
             kv_groups,

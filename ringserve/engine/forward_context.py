@@ -21,9 +21,8 @@ class _StepContext:
     """What every ForwardContext of a step shares: the cache, and the TP and expert ops."""
 
     kv_cache: KVCache
-    slot_mapping: (
-        torch.Tensor
-    )  # [groups, T] cache slot of each new token per KV group (this rank's, under CP)
+    # [groups, T] cache slot of each new token in each KV group (this rank's, under CP)
+    slot_mapping: torch.Tensor
     tp_all_reduce: Callable[[torch.Tensor], torch.Tensor]  # the sum over tensor-parallel ranks
     experts: Callable  # LocalExperts or ExpertParallel (parallel/ep.py)
     windows: tuple[AttentionWindow, ...] = ()  # per layer (ModelConfig.attention_windows); () all full
@@ -83,9 +82,8 @@ class RingAttentionContext(_StepContext):
     """ForwardContext of one step on one CP rank: this rank's new KV goes to its slots; its
     queries meet every rank's keys through the ring (pass-KV or pass-Q)."""
 
-    local_slots: (
-        torch.Tensor
-    )  # [G, K_mine] per KV group, local slots of every key this rank holds, per sequence
+    # [groups, K_mine] per KV group, local slots of every key this rank holds, per sequence
+    local_slots: torch.Tensor
     ring: Callable  # RingAttention: (q, k_local, v_local, window) -> (out, lse)
 
     def attend(self, layer: int, q, k, v, sinks=None):

@@ -50,12 +50,7 @@ class KVGroups:
         num_layers = config.num_hidden_layers
         lookbacks = [config.attention_window(i).lookback() for i in range(num_layers)]
         if len(set(lookbacks)) == 1:
-            return cls(
-                (KVGroup(lookbacks[0], tuple(range(num_layers))),),
-                (0,) * num_layers,
-                tuple(range(num_layers)),
-                num_layers,
-            )
+            return cls.one_group(num_layers, lookbacks[0])
         by_lookback: dict[int | None, list[int]] = {}
         for layer, lookback in enumerate(lookbacks):
             by_lookback.setdefault(lookback, []).append(layer)
@@ -67,6 +62,12 @@ class KVGroups:
                     layer_group[layer], layer_tensor[layer] = len(groups), j
                 groups.append(KVGroup(lookback, tuple(layers[first : first + size])))
         return cls(tuple(groups), tuple(layer_group), tuple(layer_tensor), size)
+
+    @classmethod
+    def one_group(cls, num_layers: int, lookback: int | None = None) -> KVGroups:
+        """Every layer in one group (tensor j is layer j)."""
+        layers = tuple(range(num_layers))
+        return cls((KVGroup(lookback, layers),), (0,) * num_layers, layers, num_layers)
 
     @property
     def lookbacks(self) -> tuple[int | None, ...]:

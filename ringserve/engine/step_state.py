@@ -1,4 +1,5 @@
-"""A runner's persistent step state: every running sequence's block table, kept on the device.
+"""A runner's persistent step state: every running sequence's block tables (one per KV
+group, engine/kv_groups.py), kept on the device.
 
 Rank 0's scheduler gives each running sequence a row (`Scheduler.take_row`); each step it
 sends only the blocks a row gained since the runners last saw it (`StepInput.table_updates`),

@@ -109,15 +109,16 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
-        found = [[(g, h) in self.cached for h in hashes] for g in range(self.num_groups)]
-        n = len(hashes)
+        full = [g for g, lookback in enumerate(self.group_lookbacks) if lookback is None]
         if self.num_ranks > 1:
             # Under CP the layout counts where every cached token lives, and a logical block
             # lies on one rank in every group: each group's cached block, all on one rank.
-            n = next((i for i, h in enumerate(hashes) if not self._same_rank_in_every_group(h)), n)
-        for g in range(self.num_groups):
-            if self.group_lookbacks[g] is None:
-                n = min(n, found[g].index(False) if False in found[g] else n)
+            n = next((i for i, h in enumerate(hashes) if not self._same_rank_in_every_group(h)), len(hashes))
+        else:  # the first block a full group misses (a model without windows stops there)
+            n = next(
+                (i for i, h in enumerate(hashes) if any((g, h) not in self.cached for g in full)), len(hashes)
+            )
+        found = [[(g, h) in self.cached for h in hashes[:n]] for g in range(self.num_groups)]
         while n > 0 and not all(
             all(found[g][self._first_held(g, n * self.block_size) : n]) for g in range(self.num_groups)
         ):

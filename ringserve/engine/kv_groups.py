@@ -8,8 +8,9 @@ a group whose lookback is bounded releases the blocks before it. All groups take
 blocks from one pool.
 
 Memory: the groups all have `group_size` layers (a layer type with more layers is cut into
-several groups of that size, each with its own table; vLLM does the same), and there are
-`group_size` KV tensors, not one per layer: layer j of every group uses tensor j. So a
+several groups of that size, each with its own table, as vLLM does; where its count is not
+a multiple, its last group is smaller and its blocks leave some tensors unused), and there
+are `group_size` KV tensors, not one per layer: layer j of every group uses tensor j. So a
 block id is one block in each of the group_size tensors,
 
     bytes per block = 2 (k, v) * group_size * block_size * NKV * D * element size,

@@ -32,6 +32,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from ringserve.config import ModelConfig
 from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.kv_cache import KVCache
+from ringserve.engine.kv_groups import KVGroups
 from ringserve.engine.runner import ModelRunner
 from ringserve.engine.scheduler import ScheduledBatch
 from ringserve.engine.sequence import Sequence
@@ -79,7 +80,7 @@ def main():
     blocks_per_rank = batch_size * (-(-max_len // BLOCK) // cp + 2 * cp)  # room for placement skew
     config = tiny_config(max_len)
     model = build_model(config, torch.device("cpu"), torch.float32)
-    kv_cache = KVCache(1, blocks_per_rank, BLOCK, 2, 16, torch.float32, "cpu")
+    kv_cache = KVCache(KVGroups.for_model(config), blocks_per_rank, BLOCK, 2, 16, torch.float32, "cpu")
     runner = ModelRunner(
         model, kv_cache, torch.device("cpu"), None, None, batch_size, max_len, cp_group=dist.group.WORLD
     )

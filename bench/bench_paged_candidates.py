@@ -19,7 +19,7 @@ Candidates, each reading the same cache through the same block tables:
   of cuDNN's samples), made once and not timed: not the engine's layout, but it says whether
   cuDNN needs (or gains from) a change of it.
 
-Layout (ringserve/engine/kv_cache.py): k and v [(num_blocks + 1) * block_size, NKV, D], token
+Layout (ringserve/engine/kv_cache.py): per layer k and v [(num_blocks + 1) * block_size, NKV, D], token
 t of a sequence in slot table[t // block_size] * block_size + t % block_size; block size the
 engine's default. One cache, sized for the largest case, serves every case; each case draws
 its blocks from it in random order (a sequence's pages are scattered, as in a long-running
@@ -58,6 +58,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # this tree's ringserve, whatever is installed
 
 from ringserve.engine.kv_cache import KVCache  # noqa: E402
+from ringserve.engine.kv_groups import KVGroups  # noqa: E402
 from ringserve.options import EngineOptions  # noqa: E402
 
 CANDIDATES = ("ours", "flex", "cudnn", "cudnn_hnd")
@@ -148,7 +149,9 @@ def pages(n: int, block_size: int) -> int:
 def make_cache(cases, heads: Heads, block_size: int, dtype, device) -> KVCache:
     """The engine's cache class, one layer, big enough for the largest case; random K/V."""
     num_blocks = max(sum(pages(n, block_size) for n in c.seq_lens) for c in cases)
-    cache = KVCache(1, num_blocks, block_size, heads.num_kv_heads, heads.head_dim, dtype, device)
+    cache = KVCache(
+        KVGroups.one_group(1), num_blocks, block_size, heads.num_kv_heads, heads.head_dim, dtype, device
+    )
     g = torch.Generator(device=device).manual_seed(0)
     cache.k.normal_(generator=g)
     cache.v.normal_(generator=g)

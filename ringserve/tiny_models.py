@@ -48,6 +48,16 @@ def make_hf_config(arch: str):
     if arch == "mistral":
         # A window of 8 positions: prompts of a few dozen tokens span several windows.
         return tf.MistralConfig(**TINY, sliding_window=8, head_dim=16)
+    if arch == "qwen3_hybrid":
+        # Hybrid local attention (not in ARCHITECTURES: tests of the KV groups use it):
+        # sliding windows of 8 in three layers, full attention in the second.
+        return tf.Qwen3Config(
+            **{**TINY, "num_hidden_layers": 4},
+            head_dim=16,
+            use_sliding_window=True,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        )
     if arch == "mixtral":
         return tf.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)
     if arch == "qwen3_moe":

@@ -162,7 +162,7 @@ def test_pending_tokens_reach_the_model_from_the_device(llama):
         runner = llm.engine.executor.worker.runner
         prompt = prompts_of_lengths([10], seed=2)[0]
         table = list(range(2))  # blocks 0 and 1 hold positions 0..31 (block size 16)
-        prefill = StepInput([0], [prompt], [0], [True], [(0, 0, table)])
+        prefill = StepInput([0], [prompt], [0], [True], [(0, 0, 0, table)])  # group 0, row 0
         runner.forward(prefill)
         real = StepInput([0], [[42]], [10], [True], [])
         expected = runner.forward(real).clone()

@@ -5,9 +5,10 @@ block b % blocks_per_rank, token p of a sequence in its block table[p // block_s
 local slot local_block * block_size + p % block_size.
 """
 
+import pytest
 import torch
 
-from ringserve.engine.block_manager import BlockManager
+from ringserve.engine.block_manager import RELEASED, BlockManager
 from ringserve.engine.scheduler import Scheduler
 from ringserve.engine.sequence import Sequence, Status
 from ringserve.engine.step_input import StepInput
@@ -17,41 +18,52 @@ from helpers import ring_step
 
 
 def _check_step(step: StepInput, batch, rank_tables, per: int, bs: int, cp: int):
-    """The step's CPStep against the sequences' block tables; rank_tables[r][row] plays each
-    rank's step state, updated only from the message."""
+    """The step's CPStep against the sequences' block tables (every KV group's);
+    rank_tables[r][(group, row)] plays each rank's step state, updated only from the message."""
     for r, updates in enumerate(step.cp.table_updates):
-        for row, col, blocks in updates:
-            table = rank_tables[r].setdefault(row, [])
+        for group, row, col, blocks in updates:
+            table = rank_tables[r].setdefault((group, row), [])
             assert col <= len(table) or col == 0
             table[col:] = blocks
     expected_tokens = []
     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
         start = seq.num_computed_tokens
+        # Each logical block's rank, from a group that still holds it (the last group never
+        # releases in these tests); a released entry keeps its column on the rank.
+        ranks = [b // per for b in seq.block_tables[-1]]
+        for g, group_table in enumerate(seq.block_tables):
+            for r in range(cp):
+                mine = [None if b == RELEASED else b % per for b, rb in zip(group_table, ranks) if rb == r]
+                # A rank reads only the blocks it holds of a row (entries past them may be a
+                # former occupant's, as in any row's table).
+                held = rank_tables[r].get((g, seq.row), [])[: len(mine)]
+                assert len(held) == len(mine), (seq, g, r)
+                assert all(m is None or m == h for m, h in zip(mine, held)), (seq, g, r)
         for r in range(cp):
-            mine = [b % per for b in seq.block_table if b // per == r]
-            # A rank reads only the blocks it holds of a row (entries past them may be a former
-            # occupant's, as in any row's table).
-            assert rank_tables[r].get(seq.row, [])[: len(mine)] == mine, (seq, r)
-            held = sum(1 for p in range(start) if seq.block_table[p // bs] // per == r)
+            held = sum(1 for p in range(start) if ranks[p // bs] == r)
             assert step.cp.cached_keys[r][i] == held, (seq, r)
         for p in range(start, start + n):
-            b = seq.block_table[p // bs]
-            expected_tokens.append((i, b // per, p, (b % per) * bs + p % bs))
+            blocks = [table[p // bs] for table in seq.block_tables]
+            assert len({b // per for b in blocks}) == 1  # a logical block on one rank in every group
+            expected_tokens.append((i, blocks[0] // per, p, *[(b % per) * bs + p % bs for b in blocks]))
     tokens = [
-        (i, rank, position + j, slot + j)
-        for i, rank, position, count, slot in step.cp.runs
+        (i, rank, position + j, *[slot + j for slot in slots])
+        for i, rank, position, count, *slots in step.cp.runs
         for j in range(count)
     ]
     assert tokens == expected_tokens
 
 
-def test_each_step_says_where_every_token_lives():
+@pytest.mark.parametrize("group_lookbacks", [(None,), (3, None)], ids=["one group", "hybrid"])
+def test_each_step_says_where_every_token_lives(group_lookbacks):
     """The scheduler over 3 ranks with chunked prefill, prefix-cache hits, preemption and
     decode: every step's message lets each rank rebuild exactly its share of every running
-    sequence's blocks, and names each new token's rank and local slot and each rank's
-    cached keys; and decode blocks go round robin from a per-sequence offset."""
+    sequence's blocks (in every KV group: a hybrid's windowed group releasing blocks), and
+    names each new token's rank and local slot per group and each rank's cached keys; and
+    decode blocks go round robin from a per-sequence offset."""
     cp, bs = 3, 2
-    manager = BlockManager(cp * 10, bs, enable_prefix_caching=True, num_ranks=cp)
+    num_blocks = cp * 10 * len(group_lookbacks)
+    manager = BlockManager(num_blocks, bs, True, cp, 3, group_lookbacks=group_lookbacks)
     per = manager.layout.blocks_per_rank
     scheduler = Scheduler(manager, max_num_batched_tokens=9, max_num_seqs=4)
     shared = list(range(100, 113))
@@ -78,6 +90,7 @@ def test_each_step_says_where_every_token_lives():
                 single[seq.request_id].append((len(seq.block_table) - 1, seq.block_table[-1] // per))
             seq.num_computed_tokens += n
             manager.cache_full_blocks(seq)
+            manager.release_outside_window(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.output_token_ids.append(3 + steps % 50)
                 if len(seq.output_token_ids) >= seq.params.max_tokens:

@@ -299,13 +299,13 @@ def test_windowed_chunked_prefill_and_prefix_hit_match_transformers(tiny_model_d
 def test_release_frees_exactly_the_blocks_before_the_next_tokens_lookback():
     """Lookback 7, blocks of 4: after 30 computed tokens the next token (position 30) sees
     positions 23.., so blocks 0-4 (positions 0-19) are released and block 5 (20-23) kept;
-    a model with a full layer (release off) keeps them all; freeing skips released ones."""
+    a full group (lookback None) keeps them all; freeing skips released ones."""
     from ringserve.engine.block_manager import RELEASED, BlockManager
     from ringserve.engine.sequence import Sequence
     from ringserve.sampling_params import SamplingParams
 
     for release in (True, False):
-        manager = BlockManager(16, 4, enable_prefix_caching=False, lookback=7, release_outside_window=release)
+        manager = BlockManager(16, 4, False, lookback=7, group_lookbacks=(7 if release else None,))
         seq = Sequence("a", list(range(30)), SamplingParams())
         assert manager.allocate(seq, 30)
         seq.num_computed_tokens = 30

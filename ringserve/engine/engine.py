@@ -22,6 +22,7 @@ from ringserve.engine.cp_policy import CPPolicy
 from ringserve.engine.detokenizer import IncrementalDetokenizer
 from ringserve.engine.dp_scheduler import DataParallelScheduler
 from ringserve.engine.executor import WorkerError, WorkerSpec
+from ringserve.engine.kv_groups import KVGroups
 from ringserve.engine.launched_step import LaunchedStep
 from ringserve.engine.loading import (
     check_parallel_layout,
@@ -119,6 +120,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_path, config, self.tokenizer)
         self.cp_policy = CPPolicy(self.cp_algo, parallel.cp, config, self.dtype, self.device.type)
         num_blocks = self.executor.num_blocks * parallel.cp  # each CP rank has its own pool
+        self.kv_groups = KVGroups.for_model(config)  # the workers' grouping
         # One scheduler and KV-cache pool per data-parallel replica (each its own requests).
         self.replicas = [
             Scheduler(
@@ -128,7 +130,7 @@ class LLMEngine:
                     ec.enable_prefix_caching,
                     parallel.cp,
                     config.local_lookback,
-                    release_outside_window=config.all_layers_local,
+                    group_lookbacks=self.kv_groups.lookbacks,
                 ),
                 ec.max_num_batched_tokens,
                 ec.max_num_seqs,
@@ -244,6 +246,7 @@ class LLMEngine:
             vocab_size=self.model_config.vocab_size,
             num_blocks=self.block_manager.num_blocks,
             block_size=self.block_manager.block_size,
+            kv_groups=self.kv_groups,
         )
 
     def check_params(self, params: SamplingParams) -> None:

@@ -21,7 +21,8 @@ class _StepContext:
     """What every ForwardContext of a step shares: the cache, and the TP and expert ops."""
 
     kv_cache: KVCache
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token (this rank's, under CP)
+    # [groups, T] cache slot of each new token in each KV group (this rank's, under CP)
+    slot_mapping: torch.Tensor
     tp_all_reduce: Callable[[torch.Tensor], torch.Tensor]  # the sum over tensor-parallel ranks
     experts: Callable  # LocalExperts or ExpertParallel (parallel/ep.py)
     windows: tuple[AttentionWindow, ...] = ()  # per layer (ModelConfig.attention_windows); () all full
@@ -31,8 +32,8 @@ class _StepContext:
 
     def write_kv(self, layer: int, k, v):
         """Store the new tokens' KV; returns this layer's cache tensors."""
-        k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
-        store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        k_cache, v_cache = self.kv_cache.layer(layer)
+        store_kv(k, v, k_cache, v_cache, self.slot_mapping[self.kv_cache.groups.layer_group[layer]])
         return k_cache, v_cache
 
     def all_reduce(self, x):
@@ -55,7 +56,7 @@ class PagedAttentionContext(_StepContext):
     scale: float
     dense: VarlenBatch | None = None
     paged: PagedBatch | None = None
-    block_tables: torch.Tensor | None = None  # [rows, max_blocks] int32, the runner's
+    block_tables: torch.Tensor | None = None  # [groups, rows, max_blocks] int32, the runner's
 
     def attend(self, layer: int, q, k, v, sinks=None):
         k_cache, v_cache = self.write_kv(layer, k, v)
@@ -67,7 +68,7 @@ class PagedAttentionContext(_StepContext):
                 q,
                 k_cache,
                 v_cache,
-                self.block_tables,
+                self.block_tables[self.kv_cache.groups.layer_group[layer]],
                 self.paged,
                 self.kv_cache.block_size,
                 self.scale,
@@ -81,13 +82,15 @@ class RingAttentionContext(_StepContext):
     """ForwardContext of one step on one CP rank: this rank's new KV goes to its slots; its
     queries meet every rank's keys through the ring (pass-KV or pass-Q)."""
 
-    local_slots: torch.Tensor  # [K_mine] local slots of every key this rank holds, per sequence
+    # [groups, K_mine] per KV group, local slots of every key this rank holds, per sequence
+    local_slots: torch.Tensor
     ring: Callable  # RingAttention: (q, k_local, v_local, window) -> (out, lse)
 
     def attend(self, layer: int, q, k, v, sinks=None):
         k_cache, v_cache = self.write_kv(layer, k, v)
         window = self.window(layer)
         rows = self.ring.local_key_rows(window)  # a window: only the keys some query sees
-        slots = self.local_slots if rows is None else self.local_slots[rows]
+        group_slots = self.local_slots[self.kv_cache.groups.layer_group[layer]]
+        slots = group_slots if rows is None else group_slots[rows]
         out, lse = self.ring(q, k_cache[slots], v_cache[slots], window)
         return add_sinks(out, lse, sinks)

@@ -1,29 +1,39 @@
 """The paged KV cache tensors (the attention that reads and writes them: forward_context.py).
 
-Layout per layer: k and v [(num_blocks + 1) * block_size, NKV, D]; token t of a sequence
-lives in slot block_table[t // block_size] * block_size + t % block_size. The extra last
-block is never handed out: padded rows of a CUDA-graph batch write their KV there.
+Layout: k and v [group_size, (num_blocks + 1) * block_size, NKV, D], one tensor per layer
+of a group (kv_groups.py: layer j of every group uses tensor j; with one group, tensor j
+is layer j). Token t of a sequence lives, for the layers of group g, in slot
+block_tables[g][t // block_size] * block_size + t % block_size. The extra last block is
+never handed out: padded rows of a CUDA-graph batch write their KV there.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ringserve.engine.kv_groups import KVGroups
+
 
 class KVCache:
-    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+    def __init__(self, groups: KVGroups, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        self.groups = groups
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.pad_block = num_blocks  # the scratch block of padded rows
-        shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
+        shape = (groups.group_size, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) [num_slots, NKV, D] of one layer (its group's blocks, in its tensor)."""
+        tensor = self.groups.layer_tensor[layer]
+        return self.k[tensor], self.v[tensor]
+
     @staticmethod
-    def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
+    def bytes_per_block(groups: KVGroups, block_size, num_kv_heads, head_dim, dtype) -> int:
         return (
             2
-            * num_layers
+            * groups.group_size
             * block_size
             * num_kv_heads
             * head_dim

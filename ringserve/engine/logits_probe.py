@@ -28,6 +28,7 @@ def engine_logits(engine, token_ids: list[int], prefill: int, chunks: list[int] 
         step.cp_algo = engine.cp_policy.choose(batch)  # the engine's ring (a forced one, or auto)
         rows.append(engine.executor.execute(step, all_logits=True))
         seq.num_computed_tokens += n
+        engine.block_manager.release_outside_window(seq)
     engine.block_manager.free(seq)
     engine.scheduler.free_rows.append(seq.row)
     return torch.cat(rows)

@@ -4,18 +4,25 @@ the LLM class for a whole batch at once, and the server, for its 400s)."""
 
 from __future__ import annotations
 
+from ringserve.engine.kv_groups import KVGroups
 from ringserve.errors import RequestError
 from ringserve.sampling_params import SamplingParams
 
 
 def check_prompt(
-    token_ids: list[int], *, max_model_len: int, vocab_size: int, num_blocks: int, block_size: int
+    token_ids: list[int],
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    num_blocks: int,
+    block_size: int,
+    kv_groups: KVGroups,
 ) -> None:
-    """token_ids fit the KV cache (num_blocks of block_size tokens) and the model's context
-    with one new token, and are ints of the vocabulary."""
+    """token_ids fit the KV cache (num_blocks of block_size tokens, shared by the KV
+    groups) and the model's context with one new token, and are ints of the vocabulary."""
     if not token_ids:
         raise RequestError("the prompt is empty")
-    blocks = -(-len(token_ids) // block_size)
+    blocks = kv_groups.min_blocks(len(token_ids), block_size)
     if blocks > num_blocks:
         raise RequestError(
             f"the prompt has {len(token_ids)} tokens, more than the whole KV cache holds "

@@ -53,7 +53,9 @@ class ModelRunner:
         self.num_heads = model.shard.num_heads
         self.max_model_len = max_model_len
         bs = kv_cache.block_size
-        self.block_tables = BlockTables(max_rows, -(-max_model_len // bs) + 1, kv_cache.pad_block, device)
+        self.block_tables = BlockTables(
+            len(kv_cache.groups.groups), max_rows, -(-max_model_len // bs) + 1, kv_cache.pad_block, device
+        )
         self.num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         )
@@ -73,7 +75,7 @@ class ModelRunner:
         # Under CP this rank's table holds its share: the local blocks the layout sent it.
         updates = step.table_updates if step.cp is None else step.cp.table_updates[self.cp_rank]
         self.block_tables.apply(updates)
-        self.host_elements += sum(3 * len(blocks) for _, _, blocks in updates)
+        self.host_elements += sum(4 * len(blocks) for *_, blocks in updates)
 
     def prepare(self, step: StepInput, pending_tokens: torch.Tensor | None = None):
         self._apply_table_updates(step)
@@ -100,10 +102,10 @@ class ModelRunner:
         # Every key this rank holds of the step's sequences, new ones included, packed per
         # sequence in position order (what the ring's metadata counts).
         my_keys = ring_step.keys[self.cp_rank].tolist()
-        key_slots = self.block_tables.key_slots(step.rows, my_keys, self.kv_cache.block_size)
+        key_slots = self.block_tables.key_slots(step.rows, my_keys, self.kv_cache.block_size)  # [G, K_mine]
         ctx = RingAttentionContext(
             self.kv_cache,
-            ring_step.slots[mine].to(dev),
+            ring_step.slots[:, mine].to(dev),  # [G, T_mine]
             self.all_reduce,
             self.run_experts,
             local_slots=key_slots,
@@ -193,9 +195,10 @@ class ModelRunner:
         return ids, pos, ctx, logit_rows_d
 
     def _slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Cache slot of each new token, from its row's block table (on the device)."""
+        """[groups, T] cache slot of each new token in each KV group, from its row's block
+        tables (on the device)."""
         bs = self.kv_cache.block_size
-        blocks = self.block_tables.tables[rows, positions // bs].long()
+        blocks = self.block_tables.tables[:, rows, positions // bs].long()
         return blocks * bs + positions % bs
 
     def _context(self, slots, dense=None, paged=None) -> PagedAttentionContext:

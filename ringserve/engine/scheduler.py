@@ -74,6 +74,18 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _fitting_chunk(self, seq: Sequence, n: int) -> int:
+        """Alone, a sequence whose windowed layers release blocks between chunks (a hybrid
+        or windowed model; a long preempted one, say) may fit in smaller chunks: the first
+        of n / 2, n / 4, .. whose blocks are allocated; 0 when none fits."""
+        if not self.block_manager.fits_in_chunks(seq):
+            return 0
+        while n > 1:
+            n //= 2
+            if self.block_manager.allocate(seq, n):
+                return n
+        return 0
+
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
@@ -102,10 +114,12 @@ class Scheduler:
             seq = self.waiting[0]
             # Cached tokens have no logits: a request that still wants its prompt's
             # logprobs computes the whole prompt (its blocks still fill the cache).
-            if not seq.block_table and not seq.needs_prompt_logits:
+            if not seq.block_tables and not seq.needs_prompt_logits:
                 self.block_manager.match_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.allocate(seq, n):
+                n = self._fitting_chunk(seq, n) if not self.running and not batch else 0
+            if n == 0:
                 if not self.running and not batch:
                     # Alone and still too big: even the whole cache cannot hold it. It leaves
                     # the queue (finished), so the next step serves the others.

@@ -36,11 +36,12 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.params = params
         self.status = Status.WAITING
-        self.block_table: list[int] = []  # KV-cache block of each block_size tokens
+        # Per KV group (kv_groups.py), the block of each block_size tokens; [] when it holds none.
+        self.block_tables: list[list[int]] = []
         self.row: int | None = None  # its row of the runners' step state while running
         self.replica = 0  # the data-parallel replica serving it (engine/dp_scheduler.py)
         self.num_synced_blocks = 0  # leading blocks of block_table the runners already hold
-        self.num_released_blocks = 0  # leading blocks released: outside every layer's window
+        self.num_released_blocks: list[int] = []  # per group, leading blocks released (behind its window)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.ends_when_read = False  # its pending token (async scheduling) reaches its length limit
         self.num_prefix_cached_tokens = 0  # of those, found in the prefix cache
@@ -60,6 +61,12 @@ class Sequence:
         )
         self.arrival_time = 0.0
         self.first_token_time: float | None = None
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV group's table: its length is every group's, and under context
+        parallelism (one group) it is the table the CP layout places."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def token_ids(self) -> list[int]:

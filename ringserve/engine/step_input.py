@@ -22,7 +22,8 @@ class StepInput:
     token_ids: list[list[int]]  # each sequence's new tokens
     starts: list[int]  # each sequence's tokens already in the cache (position of its first new token)
     sample: list[bool]  # whether the sequence's last known token is among its new ones
-    table_updates: list[tuple[int, int, list[int]]]  # (row, first column, new block ids)
+    # (KV group, row, first column, new block ids; RELEASED ones are never read)
+    table_updates: list[tuple[int, int, int, list[int]]]
     cp_algo: str = "pass_kv"  # the ring for this step under context parallelism
     cp: CPStep | None = None  # under context parallelism: each rank's blocks and new tokens
     # (sequence index in this step, first, count): new tokens whose logits score the prompt
@@ -54,7 +55,8 @@ class StepInput:
         updates = []
         for seq in batch.seqs:
             if len(seq.block_table) > seq.num_synced_blocks:
-                updates.append((seq.row, seq.num_synced_blocks, seq.block_table[seq.num_synced_blocks :]))
+                for group, table in enumerate(seq.block_tables):
+                    updates.append((group, seq.row, seq.num_synced_blocks, table[seq.num_synced_blocks :]))
                 seq.num_synced_blocks = len(seq.block_table)
         return cls(rows, token_ids, starts, sample, updates, scored=scored)
 

@@ -12,6 +12,7 @@ from ringserve.config import EngineConfig, ModelConfig, TPShard
 from ringserve.engine.dp_step import DataParallelStep, run_replica_step
 from ringserve.engine.graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from ringserve.engine.kv_cache import KVCache
+from ringserve.engine.kv_groups import KVGroups
 from ringserve.engine.runner import ModelRunner
 from ringserve.engine.step_input import StepInput
 from ringserve.parallel.allreduce import AllReduce
@@ -67,9 +68,10 @@ class Worker:
         else:
             self.run_experts = LocalExperts(self.all_reduce)
         ec = engine_config
-        self.num_blocks = self._num_blocks(config, shard, dtype, ec, max_model_len)
+        kv_groups = KVGroups.for_model(config)
+        self.num_blocks = self._num_blocks(config, kv_groups, shard, dtype, ec, max_model_len)
         self.kv_cache = KVCache(
-            config.num_hidden_layers,
+            kv_groups,
             self.num_blocks,
             ec.block_size,
             shard.num_kv_heads,
@@ -108,10 +110,12 @@ class Worker:
             logger.warning("decode runs eagerly: capturing CUDA graphs failed (%s)", e)
             return None
 
-    def _num_blocks(self, config, shard, dtype, ec: EngineConfig, max_model_len: int) -> int:
+    def _num_blocks(
+        self, config, kv_groups: KVGroups, shard, dtype, ec: EngineConfig, max_model_len: int
+    ) -> int:
         """Blocks from the memory budget; every rank takes the smallest so block ids agree."""
         per_block = KVCache.bytes_per_block(
-            config.num_hidden_layers, ec.block_size, shard.num_kv_heads, config.head_dim, dtype
+            kv_groups, ec.block_size, shard.num_kv_heads, config.head_dim, dtype
         )
         if ec.num_blocks is not None:
             num_blocks = ec.num_blocks
@@ -123,7 +127,7 @@ class Worker:
             elif budget is None:
                 budget = _CPU_KV_CACHE_BYTES
             # No use for more blocks than every sequence at full length can fill.
-            most = ec.max_num_seqs * -(-max_model_len // ec.block_size)
+            most = ec.max_num_seqs * kv_groups.min_blocks(max_model_len, ec.block_size)
             most = -(-most // self.groups.cp_size) + 1
             num_blocks = max(0, min(budget // per_block, most))
         if self.groups.world_size > 1:
@@ -133,11 +137,11 @@ class Worker:
                 dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.groups.control_group, async_op=True)
             )
             num_blocks = int(agreed.item())
-        capacity = num_blocks * ec.block_size * self.groups.cp_size  # CP ranks each hold a share
-        if capacity < max_model_len:
+        # CP ranks each hold a share of a sequence; the KV groups share the blocks.
+        if num_blocks * self.groups.cp_size < kv_groups.min_blocks(max_model_len, ec.block_size):
             raise ValueError(
-                f"the KV cache holds {capacity} tokens ({num_blocks} blocks per rank), fewer "
-                f"than max_model_len={max_model_len}: give it more memory or blocks, or lower max_model_len"
+                f"the KV cache ({num_blocks} blocks of {ec.block_size} tokens per rank) cannot hold "
+                f"max_model_len={max_model_len} tokens: give it more memory or blocks, or lower max_model_len"
             )
         return num_blocks
 

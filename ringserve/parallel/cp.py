@@ -48,7 +48,8 @@ class RingStep:
 
     def __init__(self, cp: CPStep, num_tokens: list[int], num_ranks: int):
         self.num_ranks = num_ranks
-        runs = torch.tensor(cp.runs, dtype=torch.int64).reshape(-1, 5)  # [R, 5]
+        # [R, 4 + G]: sequence, rank, first position, tokens, first local slot per KV group
+        runs = torch.tensor(cp.runs, dtype=torch.int64).reshape(-1, 4 + cp.num_groups)
         lengths = runs[:, 3]
         total = sum(num_tokens)
         run_start = torch.cumsum(lengths, 0) - lengths
@@ -60,7 +61,8 @@ class RingStep:
         self.seq = per_token(0)  # [T] sequence of each new token
         self.owners = per_token(1)  # [T] rank that computes it and holds its KV
         self.positions = per_token(2) + offset  # [T] global positions
-        self.slots = per_token(4) + offset  # [T] local cache slots on the owner
+        # [G, T] local cache slots on the owner, per KV group
+        self.slots = torch.stack([per_token(c) for c in range(4, runs.shape[1])]) + offset
         num_seqs = len(num_tokens)
         self._cached = torch.tensor(cp.cached_keys, dtype=torch.int64).reshape(num_ranks, num_seqs)
         packed = torch.bincount(self.owners * num_seqs + self.seq, minlength=num_ranks * num_seqs)

@@ -50,26 +50,28 @@ class CPStep:
     Sequences are indexed by their place in the step (StepInput's order).
     """
 
-    # Per rank: (row, first local column, local block ids) the row's share gained.
-    table_updates: list[list[tuple[int, int, list[int]]]]
+    # Per rank: (KV group, row, first local column, local block ids) the row's share gained.
+    table_updates: list[list[tuple[int, int, int, list[int]]]]
     # [rank][sequence]: keys of the sequence the rank held before this step.
     cached_keys: list[list[int]]
     # The step's new tokens in packed order, one run per logical block touched:
-    # (sequence, rank, first position, tokens, first local slot).
-    runs: list[tuple[int, int, int, int, int]]
+    # (sequence, rank, first position, tokens, first local slot in each KV group...).
+    runs: list[tuple[int, ...]]
     # Models with local attention (windows, chunks): per sequence, (first logical block a
     # windowed layer's query of this step may see, the rank of each block from there to the
     # end of its table), so the ring can count the keys before each query's window. At most
     # lookback / block_size + new blocks per sequence; empty without local attention.
     recent_blocks: list[tuple[int, list[int]]] = field(default_factory=list)
     block_size: int = 0
+    num_groups: int = 1  # KV groups (engine/kv_groups.py): each run has a slot per group
 
     @property
     def num_host_elements(self) -> int:
         """Elements of the message: what the driver built for the step."""
-        updates = sum(2 + len(blocks) for per_rank in self.table_updates for _, _, blocks in per_rank)
+        updates = sum(3 + len(blocks) for per_rank in self.table_updates for *_, blocks in per_rank)
         recent = sum(1 + len(ranks) for _, ranks in self.recent_blocks)
-        return updates + sum(len(c) for c in self.cached_keys) + 5 * len(self.runs) + recent
+        runs = sum(len(run) for run in self.runs)
+        return updates + sum(len(c) for c in self.cached_keys) + runs + recent
 
 
 @dataclass
@@ -115,6 +117,15 @@ class CPLayout:
         block = block_table[position // self.block_size]
         return self.rank_of(block), self.local_block(block) * self.block_size + position % self.block_size
 
+    def where_in_groups(self, block_tables: list[list[int]], position: int) -> tuple[int, list[int]]:
+        """(rank, local slot in each KV group) of the token at `position`: a logical block
+        lies on the same rank in every group (each group's table places it alike)."""
+        rank, slots = -1, []
+        for table in block_tables:
+            rank, slot = self.where(table, position)
+            slots.append(slot)
+        return rank, slots
+
     def place(self, request_id: str, first_block: int, num_new: int) -> list[int]:
         """The ranks of a sequence's next `num_new` logical blocks (see place_blocks); each
         sequence takes the next offset the first time it asks after holding no block."""
@@ -134,7 +145,7 @@ class CPLayout:
         tokens, and num_synced_blocks) computing `num_tokens` new tokens each. Marks their
         blocks as sent. Work: O(sequences x ranks + new tokens' blocks + new blocks)."""
         n_ranks, bs = self.num_ranks, self.block_size
-        updates: list[list[tuple[int, int, list[int]]]] = [[] for _ in range(n_ranks)]
+        updates: list[list[tuple[int, int, int, list[int]]]] = [[] for _ in range(n_ranks)]
         cached = [[0] * len(seqs) for _ in range(n_ranks)]
         runs, recent = [], []
         for i, (seq, count) in enumerate(zip(seqs, num_tokens)):
@@ -143,37 +154,44 @@ class CPLayout:
                 self._rows[seq.row] = _RowShare(n_ranks)
             share = self._rows[seq.row]
             assert len(table) * bs >= start + count, "blocks for the new tokens are allocated first"
-            self._send_blocks(share, seq.row, table[seq.num_synced_blocks :], updates)
+            self._send_blocks(share, seq.row, [t[seq.num_synced_blocks :] for t in seq.block_tables], updates)
             seq.num_synced_blocks = len(table)
             # Tokens cached before the row was taken (a prefix-cache hit): count where they are.
-            self._advance(share, table, start, None)
+            self._advance(share, seq.block_tables, start, None)
             for r in range(n_ranks):
                 cached[r][i] = share.keys[r]
-            self._advance(share, table, start + count, (i, runs))
+            self._advance(share, seq.block_tables, start + count, (i, runs))
             if self.lookback is not None:
                 first = max(0, start - self.lookback) // bs
                 recent.append((first, [self.rank_of(b) for b in table[first:]]))
-        return CPStep(updates, cached, runs, recent, bs)
+        num_groups = len(seqs[0].block_tables) if seqs else 1
+        return CPStep(updates, cached, runs, recent, bs, num_groups)
 
-    def _send_blocks(self, share: _RowShare, row: int, new_blocks: list[int], updates) -> None:
+    def _send_blocks(self, share: _RowShare, row: int, new_blocks: list[list[int]], updates) -> None:
+        """new_blocks: per KV group, the row's blocks not sent yet (never released ones:
+        release follows the step that sent them). Each rank's column advances once for all
+        groups, since a logical block lies on the same rank in each."""
         first_column = list(share.local_blocks)
-        per_rank: list[list[int]] = [[] for _ in range(self.num_ranks)]
-        for block in new_blocks:
-            per_rank[self.rank_of(block)].append(self.local_block(block))
-        for r, blocks in enumerate(per_rank):
-            if blocks:
-                updates[r].append((row, first_column[r], blocks))
-                share.local_blocks[r] += len(blocks)
+        for group, blocks in enumerate(new_blocks):
+            per_rank: list[list[int]] = [[] for _ in range(self.num_ranks)]
+            for block in blocks:
+                assert block >= 0, "a released block is never sent"
+                per_rank[self.rank_of(block)].append(self.local_block(block))
+            for r, local in enumerate(per_rank):
+                if local:
+                    updates[r].append((group, row, first_column[r], local))
+                    share.local_blocks[r] = first_column[r] + len(local)
 
-    def _advance(self, share: _RowShare, table: list[int], end: int, runs_of) -> None:
+    def _advance(self, share: _RowShare, tables: list[list[int]], end: int, runs_of) -> None:
         """Count positions covered .. end - 1 as held by their ranks, a block at a time;
-        runs_of = (sequence, runs): also record them as the step's new tokens."""
+        runs_of = (sequence, runs): also record them as the step's new tokens (with their
+        first slot in each KV group's table)."""
         bs = self.block_size
         while share.covered < end:
             position = share.covered
             tokens = min(end, (position // bs + 1) * bs) - position
-            rank, slot = self.where(table, position)
+            rank, slots = self.where_in_groups(tables, position)
             share.keys[rank] += tokens
             if runs_of is not None:
-                runs_of[1].append((runs_of[0], rank, position, tokens, slot))
+                runs_of[1].append((runs_of[0], rank, position, tokens, *slots))
             share.covered += tokens

@@ -104,6 +104,22 @@ def llama3_8b_config():
     )
 
 
+def random_llama3_8b(device: str = "cuda") -> tuple[str, dict]:
+    """A folder with Llama-3-8B's config.json, and random bf16 weights of its shape (seed 0)
+    on the device, for LLMEngine(folder, weights=...)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    config = llama3_8b_config()
+    folder = tempfile.mkdtemp()
+    config.save_pretrained(folder)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    return folder, model.state_dict()
+
+
 def write_json(name: str, data) -> None:
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, name), "w") as f:

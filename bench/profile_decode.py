@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import llama3_8b_config  # noqa: E402
+from common import random_llama3_8b  # noqa: E402
 
 from ringserve.config import EngineConfig  # noqa: E402
 from ringserve.engine.engine import LLMEngine  # noqa: E402
@@ -40,15 +39,7 @@ def main():
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--trace-dir", default=os.environ.get("OUT"), help="chrome traces of 8 engine steps")
     args = parser.parse_args()
-    from transformers import AutoModelForCausalLM
-
-    cfg = llama3_8b_config()
-    folder = tempfile.mkdtemp()
-    cfg.save_pretrained(folder)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    weights = hf.state_dict()
+    folder, weights = random_llama3_8b()
     engine = LLMEngine(
         folder,
         device="cuda",
@@ -62,7 +53,7 @@ def main():
             enable_prefix_caching=False,
         ),
     )
-    del hf
+    del weights
     runner = engine.executor.worker.runner
     params = SamplingParams(max_tokens=2 * args.steps + 16, temperature=0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)

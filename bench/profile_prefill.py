@@ -11,14 +11,13 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import llama3_8b_config  # noqa: E402
+from common import random_llama3_8b  # noqa: E402
 
 from ringserve.config import EngineConfig  # noqa: E402
 from ringserve.engine.engine import LLMEngine  # noqa: E402
@@ -44,19 +43,12 @@ def main():
     parser.add_argument("--max-num-batched-tokens", type=int, default=0)
     parser.add_argument("--kv-gib", type=float, default=8)
     args = parser.parse_args()
-    from transformers import AutoModelForCausalLM
-
-    cfg = llama3_8b_config()
-    folder = tempfile.mkdtemp()
-    cfg.save_pretrained(folder)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    folder, weights = random_llama3_8b()
     engine = LLMEngine(
         folder,
         device="cuda",
         dtype="bfloat16",
-        weights=hf.state_dict(),
+        weights=weights,
         engine_config=EngineConfig(
             max_model_len=args.max_model_len or max(args.lengths) + 64,
             max_num_batched_tokens=args.max_num_batched_tokens or max(args.lengths) + 64,
@@ -65,7 +57,7 @@ def main():
             enable_prefix_caching=False,
         ),
     )
-    del hf
+    del weights
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 

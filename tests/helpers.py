@@ -87,3 +87,20 @@ def serve_in_thread(app, timeout_s: float = 60.0) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def ring_inputs(step, key_positions, totals: list[int], rank: int, heads: int, kv_heads: int, dim: int):
+    """Random whole-sequence q/k/v (seed 0) for a ring_step, and this rank's share of them
+    as the engine packs it: (qs, ks, vs, q_positions, q, k, v), where qs[i] [totals[i], heads,
+    dim] is sequence i's every query, q_positions[i] the positions of those on this rank, and
+    q, k, v the rank's packed queries and keys."""
+    g = torch.Generator().manual_seed(0)
+    qs = [torch.randn(t, heads, dim, generator=g) for t in totals]
+    ks = [torch.randn(t, kv_heads, dim, generator=g) for t in totals]
+    vs = [torch.randn(t, kv_heads, dim, generator=g) for t in totals]
+    mine = step.owners == rank
+    q_positions = [step.positions[mine & (step.seq == i)] for i in range(len(totals))]
+    q = torch.cat([x[p] for x, p in zip(qs, q_positions)])
+    k = torch.cat([x[p[rank]] for x, p in zip(ks, key_positions)])
+    v = torch.cat([x[p[rank]] for x, p in zip(vs, key_positions)])
+    return qs, ks, vs, q_positions, q, k, v

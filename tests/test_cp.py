@@ -11,7 +11,7 @@ from ringserve.parallel.cp import CPCalibration, RingAttention, choose_cp_algo
 from ringserve.parallel.cp_layout import place_blocks
 from ringserve.parallel.local_world import run_local_world
 
-from helpers import ring_step
+from helpers import ring_inputs, ring_step
 
 BS = 4  # small KV blocks so that short prompts spread over every rank
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -99,15 +99,7 @@ def _ring_rank(rank, world_size, algo, max_partial_bytes):
     block, cp, heads, kv_heads, dim = 4, world_size, 4, 2, 8
     starts, totals = [0, 22], [70, 52]
     step, _, key_positions = ring_step(starts, totals, block, cp)
-    g = torch.Generator().manual_seed(0)
-    qs = [torch.randn(t, heads, dim, generator=g) for t in totals]
-    ks = [torch.randn(t, kv_heads, dim, generator=g) for t in totals]
-    vs = [torch.randn(t, kv_heads, dim, generator=g) for t in totals]
-    mine = step.owners == rank
-    q_positions = [step.positions[mine & (step.seq == i)] for i in range(len(totals))]
-    q = torch.cat([x[p] for x, p in zip(qs, q_positions)])
-    k = torch.cat([x[p[rank]] for x, p in zip(ks, key_positions)])
-    v = torch.cat([x[p[rank]] for x, p in zip(vs, key_positions)])
+    qs, ks, vs, q_positions, q, k, v = ring_inputs(step, key_positions, totals, rank, heads, kv_heads, dim)
     ring = RingAttention(dist.group.WORLD, step, algo, dim**-0.5, "cpu")
     ring.max_partial_bytes = max_partial_bytes
     got, _ = ring(q, k, v)

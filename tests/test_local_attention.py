@@ -115,20 +115,12 @@ def _windowed_ring_rank(rank, world_size, algo, window):
 
     from ringserve.parallel.cp import RingAttention
 
-    from helpers import ring_step
+    from helpers import ring_inputs, ring_step
 
     block, heads, kv_heads, dim = 4, 4, 2, 8
     starts, totals = [0, 22], [200, 52]
     step, _, key_positions = ring_step(starts, totals, block, world_size, window.lookback())
-    g = torch.Generator().manual_seed(0)
-    qs = [torch.randn(t, heads, dim, generator=g) for t in totals]
-    ks = [torch.randn(t, kv_heads, dim, generator=g) for t in totals]
-    vs = [torch.randn(t, kv_heads, dim, generator=g) for t in totals]
-    mine = step.owners == rank
-    q_positions = [step.positions[mine & (step.seq == i)] for i in range(len(totals))]
-    q = torch.cat([x[p] for x, p in zip(qs, q_positions)])
-    k = torch.cat([x[p[rank]] for x, p in zip(ks, key_positions)])
-    v = torch.cat([x[p[rank]] for x, p in zip(vs, key_positions)])
+    qs, ks, vs, q_positions, q, k, v = ring_inputs(step, key_positions, totals, rank, heads, kv_heads, dim)
     ring = RingAttention(dist.group.WORLD, step, algo, dim**-0.5, "cpu")
     rows = ring.local_key_rows(window)  # the keys some query sees, as the engine gathers them
     got, got_lse = ring(q, k[rows], v[rows], window)

@@ -1,0 +1,222 @@
+"""Would our own skinny matmuls pay inside the decode graph? Llama-3-8B's 32 layers of
+matmuls and the small kernels between them (attention left out: it is the same in every
+variant), captured in one CUDA graph and replayed, at batch 1 and 16:
+
+  base      cuBLAS (F.linear) with the engine's fused add+RMSNorm and SiLU-mul kernels
+  skinny    the same chain with a Triton skinny matmul for every linear
+  +silu     down_proj reads gate/up and applies SiLU-mul as it loads (no SiLU-mul kernel)
+  +norm     qkv and gate_up add the residual and apply the RMSNorm as they load (no norm
+            kernel; program 0 writes the new residual stream)
+  pdl       each Triton variant again with programmatic dependent launch: a kernel starts
+            while the one before drains and waits (griddepcontrol.wait) before its first read
+
+  PYTHONPATH=. python bench/bench_decode_chain.py
+
+Prints each variant's replay time per step and its difference to base, and checks every
+variant's output against base (bf16 rounding differs where the norm is fused).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ringserve.kernels import add_rms_norm, silu_mul
+
+H, INTER, NQKV, V, LAYERS = 4096, 14336, 6144, 128256, 32
+
+
+@triton.jit
+def _skinny(
+    x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, stride_x, eps, K: tl.constexpr,
+    PROLOGUE: tl.constexpr,  # 0: x; 1: x + res, RMS-normed by nw; 2: silu(x[:, :K]) * x[:, K:]
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm[:, None] < M
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_ptr + rm[:, None] * stride_x + kk[None, :], mask=m_ok, other=0.0)
+        if PROLOGUE == 1:
+            r = tl.load(res_ptr + rm[:, None] * K + kk[None, :], mask=m_ok, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            if pid == 0:
+                tl.store(res_out_ptr + rm[:, None] * K + kk[None, :], x, mask=m_ok)
+            xf = x.to(tl.float32)
+            sq += xf * xf
+            x = (xf * tl.load(nw_ptr + kk).to(tl.float32)[None, :]).to(x.dtype)
+        if PROLOGUE == 2:
+            u = tl.load(x_ptr + rm[:, None] * stride_x + K + kk[None, :], mask=m_ok, other=0.0)
+            g = x.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(u.dtype)
+            x = (act.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+        w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=rn[:, None] < N, other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    if PROLOGUE == 1:
+        acc *= tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
+    tl.store(
+        y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok & (rn[None, :] < N)
+    )
+
+
+def skinny(x, w, cfg, prologue=0, res=None, nw=None, res_out=None, eps=1e-5, pdl=False, out=None):
+    m = x.shape[0]
+    n, k = w.shape
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    bn, bk, warps, stages = cfg
+    _skinny[(triton.cdiv(n, bn),)](
+        x, w, y, res if res is not None else x, nw if nw is not None else x, res_out if res_out is not None else y,
+        m, n, x.stride(0), eps, K=k, PROLOGUE=prologue, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl,
+        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
+    )  # fmt: skip
+    return y
+
+
+def graph_ms(fn, reps=50):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1000 / reps, g
+
+
+def sweep(m, name, ws, k, configs):
+    """The config fastest over the weights ws back to back in a graph, for m rows."""
+    dev, dt = ws[0].device, ws[0].dtype
+    xin = torch.randn(m, k, device=dev, dtype=dt)
+    t_cublas, _ = graph_ms(lambda: [F.linear(xin, w) for w in ws])
+    results = []
+    for cfg in configs:
+        if cfg[0] * cfg[1] * 2 * cfg[3] > 200_000:
+            continue
+        try:
+            t, _ = graph_ms(lambda cfg=cfg: [skinny(xin, w, cfg) for w in ws], reps=20)
+        except Exception as e:  # out of shared memory, etc.
+            print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
+            continue
+        results.append((t, cfg))
+    results.sort()
+    per = 1000 / len(ws)
+    print(
+        f"M={m:2d} {name:5s} cuBLAS {t_cublas * per:6.1f} us | skinny best {results[0][0] * per:6.1f} us "
+        f"{results[0][1]} | next {[(round(t * per, 1), c) for t, c in results[1:4]]}",
+        flush=True,
+    )
+    return results[0][1]
+
+
+def run_batch(m, layers, lm_head, final_ln, shapes, configs):
+    dev, dt = lm_head.device, lm_head.dtype
+    x0 = torch.randn(m, H, device=dev, dtype=dt)
+    # Per shape, the config fastest over 32 distinct weights back to back in a graph.
+    best = {}
+    for name, (_n, k) in shapes.items():
+        best[name] = sweep(
+            m, name, [layer[name] for layer in layers] if name != "lm" else [lm_head], k, configs
+        )
+
+    def chain(kind: str, pdl: bool):
+        def lin(x, name, w, **kw):
+            return F.linear(x, w) if kind == "base" else skinny(x, w, best[name], pdl=pdl, **kw)
+
+        def run():
+            x, residual = x0, torch.zeros_like(x0)
+            for layer in layers:
+                if kind in ("base", "skinny", "silu"):
+                    h, residual = add_rms_norm(x, residual, layer["ln1"], 1e-5)
+                    qkv = lin(h, "qkv", layer["qkv"])
+                else:
+                    new_res = torch.empty_like(x)
+                    qkv = lin(
+                        x, "qkv", layer["qkv"], prologue=1, res=residual, nw=layer["ln1"], res_out=new_res
+                    )
+                    residual = new_res
+                a = lin(qkv[:, :H], "o", layer["o"])  # stands for attention's output
+                if kind in ("base", "skinny", "silu"):
+                    h, residual = add_rms_norm(a, residual, layer["ln2"], 1e-5)
+                    gu = lin(h, "gu", layer["gu"])
+                else:
+                    new_res = torch.empty_like(x)
+                    gu = lin(a, "gu", layer["gu"], prologue=1, res=residual, nw=layer["ln2"], res_out=new_res)
+                    residual = new_res
+                if kind in ("base", "skinny"):
+                    x = lin(silu_mul(gu), "down", layer["down"])
+                else:
+                    x = lin(gu, "down", layer["down"], prologue=2)
+            h, _ = add_rms_norm(x, residual, final_ln, 1e-5)
+            return lin(h, "lm", lm_head)
+
+        return run
+
+    outs = {}
+    base_ms = None
+    for kind, pdl in [("base", False), ("skinny", False), ("silu", False), ("norm", False),
+                      ("skinny", True), ("silu", True), ("norm", True)]:  # fmt: skip
+        fn = chain(kind, pdl)
+        try:
+            ms, g = graph_ms(fn)
+        except Exception as e:
+            print(f"M={m:2d} {kind} pdl={pdl}: failed {type(e).__name__}: {e}", flush=True)
+            continue
+        out = fn().float()
+        outs[(kind, pdl)] = out
+        base_ms = base_ms or ms
+        err = ((out - outs[("base", False)]).norm() / outs[("base", False)].norm()).item()
+        print(
+            f"M={m:2d} chain {kind:6s} pdl={int(pdl)}: {ms:6.3f} ms ({ms - base_ms:+.3f} vs base), "
+            f"rel err vs base {err:.1e}",
+            flush=True,
+        )
+
+
+def main():
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    layers = [
+        {
+            "ln1": 1 + 0.1 * torch.randn(H, device=dev, dtype=dt),
+            "ln2": 1 + 0.1 * torch.randn(H, device=dev, dtype=dt),
+            "qkv": 0.02 * torch.randn(NQKV, H, device=dev, dtype=dt),
+            "o": 0.02 * torch.randn(H, H, device=dev, dtype=dt),
+            "gu": 0.02 * torch.randn(2 * INTER, H, device=dev, dtype=dt),
+            "down": 0.02 * torch.randn(H, INTER, device=dev, dtype=dt),
+        }
+        for _ in range(LAYERS)
+    ]
+    lm_head = 0.02 * torch.randn(V, H, device=dev, dtype=dt)
+    final_ln = torch.ones(H, device=dev, dtype=dt)
+    shapes = {"qkv": (NQKV, H), "o": (H, H), "gu": (2 * INTER, H), "down": (H, INTER), "lm": (V, H)}
+    configs = list(itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6)))
+
+    for m in (1, 16):
+        run_batch(m, layers, lm_head, final_ln, shapes, configs)
+
+
+if __name__ == "__main__":
+    main()

@@ -38,6 +38,8 @@ def _skinny(
     PROLOGUE: tl.constexpr,  # 0: x; 1: x + res, RMS-normed by nw; 2: silu(x[:, :K]) * x[:, K:]
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    # y[M, N] = prologue(x)[M, K] @ w[N, K]^T; one program per BLOCK_N output columns, all of
+    # K. BLOCK_M >= 16 runs tensor-core dots; below, a broadcast multiply and sum (a GEMV).
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -65,7 +67,10 @@ def _skinny(
             act = (g / (1.0 + tl.exp(-g))).to(u.dtype)
             x = (act.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
         w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=rn[:, None] < N, other=0.0)
-        acc += tl.dot(x, tl.trans(w))
+        if BLOCK_M >= 16:
+            acc += tl.dot(x, tl.trans(w))
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if PROLOGUE == 1:
         acc *= tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
     tl.store(
@@ -73,14 +78,14 @@ def _skinny(
     )
 
 
-def skinny(x, w, cfg, prologue=0, res=None, nw=None, res_out=None, eps=1e-5, pdl=False, out=None):
+def skinny(x, w, cfg, prologue=0, res=None, nw=None, res_out=None, eps=1e-5, pdl=False, out=None, block_m=16):
     m = x.shape[0]
     n, k = w.shape
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     bn, bk, warps, stages = cfg
     _skinny[(triton.cdiv(n, bn),)](
         x, w, y, res if res is not None else x, nw if nw is not None else x, res_out if res_out is not None else y,
-        m, n, x.stride(0), eps, K=k, PROLOGUE=prologue, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl,
+        m, n, x.stride(0), eps, K=k, PROLOGUE=prologue, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl,
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return y
@@ -106,44 +111,55 @@ def graph_ms(fn, reps=50):
     return (time.perf_counter() - start) * 1000 / reps, g
 
 
-def sweep(m, name, ws, k, configs):
-    """The config fastest over the weights ws back to back in a graph, for m rows."""
+def sweep(m, name, ws, k, prologue, configs):
+    """The (config, BLOCK_M) fastest over the weights ws back to back in a graph, m rows."""
     dev, dt = ws[0].device, ws[0].dtype
-    xin = torch.randn(m, k, device=dev, dtype=dt)
-    t_cublas, _ = graph_ms(lambda: [F.linear(xin, w) for w in ws])
+    xin = torch.randn(m, 2 * k if prologue == 2 else k, device=dev, dtype=dt)
+    extra = {}
+    if prologue == 1:
+        extra = dict(res=torch.randn(m, k, device=dev, dtype=dt), nw=torch.ones(k, device=dev, dtype=dt))
+        extra["res_out"] = torch.empty_like(extra["res"])
+    block_ms = (16, triton.next_power_of_2(m)) if m < 16 else (16,)
     results = []
-    for cfg in configs:
-        if cfg[0] * cfg[1] * 2 * cfg[3] > 200_000:
+    for cfg, block_m in itertools.product(configs, block_ms):
+        if cfg[0] * cfg[1] * 2 * cfg[3] > 200_000 or (block_m < 16 and cfg[0] * cfg[1] > 8192):
             continue
         try:
-            t, _ = graph_ms(lambda cfg=cfg: [skinny(xin, w, cfg) for w in ws], reps=20)
+            t, _ = graph_ms(
+                lambda cfg=cfg, bm=block_m: [skinny(xin, w, cfg, prologue, block_m=bm, **extra) for w in ws],
+                reps=20,
+            )
         except Exception as e:  # out of shared memory, etc.
             print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
             continue
-        results.append((t, cfg))
+        results.append((t, cfg, block_m))
     results.sort()
     per = 1000 / len(ws)
-    print(
-        f"M={m:2d} {name:5s} cuBLAS {t_cublas * per:6.1f} us | skinny best {results[0][0] * per:6.1f} us "
-        f"{results[0][1]} | next {[(round(t * per, 1), c) for t, c in results[1:4]]}",
-        flush=True,
+    line = (
+        f"M={m:2d} {name:5s} prologue {prologue}: skinny best {results[0][0] * per:6.1f} us {results[0][1:]}"
     )
-    return results[0][1]
+    if prologue == 0:
+        t_cublas, _ = graph_ms(lambda: [F.linear(xin, w) for w in ws])
+        line += f" | cuBLAS {t_cublas * per:6.1f} us"
+    print(f"{line} | next {[(round(t * per, 1), c, b) for t, c, b in results[1:4]]}", flush=True)
+    return results[0][1:]
 
 
 def run_batch(m, layers, lm_head, final_ln, shapes, configs):
     dev, dt = lm_head.device, lm_head.dtype
     x0 = torch.randn(m, H, device=dev, dtype=dt)
-    # Per shape, the config fastest over 32 distinct weights back to back in a graph.
-    best = {}
+    best = {}  # (name, prologue) -> (config, BLOCK_M), by a sweep over 32 distinct weights
     for name, (_n, k) in shapes.items():
-        best[name] = sweep(
-            m, name, [layer[name] for layer in layers] if name != "lm" else [lm_head], k, configs
-        )
+        ws = [layer[name] for layer in layers] if name != "lm" else [lm_head]
+        for prologue in {"qkv": (0, 1), "gu": (0, 1), "down": (0, 2)}.get(name, (0,)):
+            best[name, prologue] = sweep(m, name, ws, k, prologue, configs)
 
     def chain(kind: str, pdl: bool):
-        def lin(x, name, w, **kw):
-            return F.linear(x, w) if kind == "base" else skinny(x, w, best[name], pdl=pdl, **kw)
+        def lin(x, name, w, prologue=0, **kw):
+            if kind == "base":
+                return F.linear(x, w)
+            cfg, block_m = best[name, prologue]
+            return skinny(x, w, cfg, prologue, pdl=pdl, block_m=block_m, **kw)
 
         def run():
             x, residual = x0, torch.zeros_like(x0)
@@ -153,9 +169,7 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs):
                     qkv = lin(h, "qkv", layer["qkv"])
                 else:
                     new_res = torch.empty_like(x)
-                    qkv = lin(
-                        x, "qkv", layer["qkv"], prologue=1, res=residual, nw=layer["ln1"], res_out=new_res
-                    )
+                    qkv = lin(x, "qkv", layer["qkv"], 1, res=residual, nw=layer["ln1"], res_out=new_res)
                     residual = new_res
                 a = lin(qkv[:, :H], "o", layer["o"])  # stands for attention's output
                 if kind in ("base", "skinny", "silu"):
@@ -163,12 +177,12 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs):
                     gu = lin(h, "gu", layer["gu"])
                 else:
                     new_res = torch.empty_like(x)
-                    gu = lin(a, "gu", layer["gu"], prologue=1, res=residual, nw=layer["ln2"], res_out=new_res)
+                    gu = lin(a, "gu", layer["gu"], 1, res=residual, nw=layer["ln2"], res_out=new_res)
                     residual = new_res
                 if kind in ("base", "skinny"):
                     x = lin(silu_mul(gu), "down", layer["down"])
                 else:
-                    x = lin(gu, "down", layer["down"], prologue=2)
+                    x = lin(gu, "down", layer["down"], 2)
             h, _ = add_rms_norm(x, residual, final_ln, 1e-5)
             return lin(h, "lm", lm_head)
 
@@ -176,8 +190,7 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs):
 
     outs = {}
     base_ms = None
-    for kind, pdl in [("base", False), ("skinny", False), ("silu", False), ("norm", False),
-                      ("skinny", True), ("silu", True), ("norm", True)]:  # fmt: skip
+    for kind, pdl in [("base", False), ("skinny", False), ("silu", False), ("norm", False), ("norm", True)]:
         fn = chain(kind, pdl)
         try:
             ms, g = graph_ms(fn)
@@ -212,8 +225,7 @@ def main():
     lm_head = 0.02 * torch.randn(V, H, device=dev, dtype=dt)
     final_ln = torch.ones(H, device=dev, dtype=dt)
     shapes = {"qkv": (NQKV, H), "o": (H, H), "gu": (2 * INTER, H), "down": (H, INTER), "lm": (V, H)}
-    configs = list(itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6)))
-
+    configs = list(itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 4)))
     for m in (1, 16):
         run_batch(m, layers, lm_head, final_ln, shapes, configs)
 

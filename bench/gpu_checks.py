@@ -327,8 +327,8 @@ if __name__ == "__main__":
             continue
         try:
             check()
-        except AssertionError as e:  # the other checks still run: one report of everything
-            print(f"FAILED {check.__name__}: {e}")
+        except Exception as e:  # the other checks still run: one report of everything
+            print(f"FAILED {check.__name__}: {type(e).__name__}: {e}")
             failed.append(check.__name__)
     print(f"GPU CHECKS FAILED: {', '.join(failed)}" if failed else "GPU CHECKS PASSED")
     sys.exit(1 if failed else 0)

@@ -73,7 +73,9 @@ def gpt_oss_fields(hf) -> dict:
         moe_router="topk_softmax",
         experts_layout="fused_interleaved",
         experts_bias=True,
-        swiglu=(float(hf.swiglu_alpha), float(hf.swiglu_limit)),
+        # transformers before 5.2x has no config field for alpha (its modeling code hard-codes
+        # 1.702) and may lack the limit: the published checkpoints' values are the defaults.
+        swiglu=(float(getattr(hf, "swiglu_alpha", 1.702)), float(getattr(hf, "swiglu_limit", 7.0))),
         o_proj_bias=bool(hf.attention_bias),
         attention_sinks=True,
     )

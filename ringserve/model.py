@@ -30,6 +30,7 @@ from ringserve.kernels import (
     silu_mul,
     unit_offset_rms_norm,
 )
+from ringserve.skinny_matmul import linear
 
 
 class ForwardContext(Protocol):
@@ -77,7 +78,14 @@ def make_norm(config: ModelConfig, dim: int) -> RMSNorm:
     return (UnitOffsetRMSNorm if config.norm_unit_offset else RMSNorm)(dim, config.rms_norm_eps)
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear; at decode batch sizes on a GPU its matmul is ringserve's skinny kernel."""
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """Projections of the same input stacked by output rows, run as one matmul.
 
     parts: the checkpoint's names of the stacked projections (siblings of this module,
@@ -163,12 +171,12 @@ class PositionTables(NamedTuple):
     q_scale: torch.Tensor | None = None  # [T, 1, 1] Llama 4 NoPE layers' query scale
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """A linear layer whose input columns are split over tensor-parallel ranks: the partial
     products are summed, then the bias (whole on every rank) is added once."""
 
     def forward(self, x, ctx: ForwardContext):
-        out = ctx.all_reduce(F.linear(x, self.weight))
+        out = ctx.all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -238,7 +246,7 @@ class MLP(nn.Module):
         super().__init__()
         # [2 I, H]: this rank's gate rows, then its up rows.
         self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
         self.act_mul = _GATED_ACTIVATIONS[hidden_act]
 
     def forward(self, x, ctx: ForwardContext):
@@ -410,7 +418,7 @@ class Transformer(nn.Module):
         self.config = config
         self.shard = shard
         self.model = Backbone(config, shard)
-        self.lm_head = nn.Linear(config.hidden_size, shard.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, shard.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

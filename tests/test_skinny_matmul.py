@@ -1,0 +1,56 @@
+"""The skinny decode matmul (ringserve/skinny_matmul.py) against F.linear, run on the CPU by
+Triton's interpreter (TRITON_INTERPRET=1, set before the kernel is defined: hence a fresh
+process), in float32 (the interpreter's bfloat16 dot is not usable); and where it is chosen.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ringserve import skinny_matmul as S
+
+SCRIPT = r"""
+import torch
+import torch.nn.functional as F
+from ringserve import skinny_matmul as S
+
+torch.manual_seed(0)
+# rows 1 (batch 1), 5 (a partial tile), 16 (the tile); N not a multiple of BLOCK_N; x a view
+# of a wider tensor (rows strided, as o_proj reads attention's output); bias or not.
+for m, n, k, plan in ((1, 100, 256, (32, 128, 3)), (5, 64, 512, (64, 256, 4)), (16, 40, 128, (32, 64, 3))):
+    wide = torch.randn(m, k + 24)
+    x = wide[:, :k]
+    w = torch.randn(n, k) / k**0.5
+    b = torch.randn(n)
+    for bias in (None, b):
+        got = S.skinny_linear(x, w, bias, plan)
+        torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(S.triton is None, reason="needs Triton (its CPU interpreter)")
+def test_skinny_kernel_matches_f_linear():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-4000:]
+
+
+def test_skinny_plan_only_where_it_pays():
+    # Llama-3-8B's shapes on 132 multiprocessors: the swept tiles.
+    assert S._plan(4096, 4096, 132) == (32, 512, 4)  # o_proj
+    assert S._plan(4096, 14336, 132) == (32, 512, 4)  # down_proj: 14336 = 28 x 512
+    assert S._plan(6144, 4096, 132) == (64, 256, 4)  # qkv
+    assert S._plan(28672, 4096, 132) == (64, 128, 3)  # gate_up
+    # A K that 512 does not divide takes the largest block that does; none: cuBLAS.
+    assert S._plan(4096, 1792, 132) == (32, 256, 4)
+    assert S._plan(4096, 1000, 132) is None
+    # A tensor-parallel shard too narrow to spread over the GPU: cuBLAS (it splits K).
+    assert S._plan(768, 4096, 132) is None
+    # Never on the CPU, in float32, or for more rows than a decode tile.
+    x, w = torch.randn(1, 4096), torch.randn(4096, 4096)
+    assert S.skinny_plan(x, w) is None and S.skinny_plan(x.bfloat16(), w.bfloat16()) is None
+    assert torch.equal(S.linear(x, w), torch.nn.functional.linear(x, w))

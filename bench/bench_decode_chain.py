@@ -10,7 +10,7 @@ variant), captured in one CUDA graph and replayed, at batch 1 and 16:
   pdl       each Triton variant again with programmatic dependent launch: a kernel starts
             while the one before drains and waits (griddepcontrol.wait) before its first read
 
-  PYTHONPATH=. python bench/bench_decode_chain.py
+  PYTHONPATH=. python bench/bench_decode_chain.py [--batch 1 16]
 
 Prints each variant's replay time per step and its difference to base, and checks every
 variant's output against base (bf16 rounding differs where the norm is fused).
@@ -18,6 +18,7 @@ variant's output against base (bf16 rounding differs where the norm is fused).
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import time
 
@@ -209,6 +210,9 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs):
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    args = parser.parse_args()
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     layers = [
@@ -226,7 +230,7 @@ def main():
     final_ln = torch.ones(H, device=dev, dtype=dt)
     shapes = {"qkv": (NQKV, H), "o": (H, H), "gu": (2 * INTER, H), "down": (H, INTER), "lm": (V, H)}
     configs = list(itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 4)))
-    for m in (1, 16):
+    for m in args.batch:
         run_batch(m, layers, lm_head, final_ln, shapes, configs)
 
 

@@ -34,6 +34,34 @@ H, INTER, NQKV, V, LAYERS = 4096, 14336, 6144, 128256, 32
 
 
 @triton.jit
+def _tile(
+    acc, sq, w, k0, pid, x_ptr, res_ptr, nw_ptr, res_out_ptr, rm, rk, m_ok, stride_x, K: tl.constexpr,
+    PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_K step: x's tile through the prologue, times the weight tile w."""
+    kk = k0 + rk
+    x = tl.load(x_ptr + rm[:, None] * stride_x + kk[None, :], mask=m_ok, other=0.0)
+    if PROLOGUE == 1:
+        r = tl.load(res_ptr + rm[:, None] * K + kk[None, :], mask=m_ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        if pid == 0:
+            tl.store(res_out_ptr + rm[:, None] * K + kk[None, :], x, mask=m_ok)
+        xf = x.to(tl.float32)
+        sq += xf * xf
+        x = (xf * tl.load(nw_ptr + kk).to(tl.float32)[None, :]).to(x.dtype)
+    if PROLOGUE == 2:
+        u = tl.load(x_ptr + rm[:, None] * stride_x + K + kk[None, :], mask=m_ok, other=0.0)
+        g = x.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(u.dtype)
+        x = (act.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+    if BLOCK_M >= 16:
+        acc += tl.dot(x, tl.trans(w))
+    else:
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc, sq
+
+
+@triton.jit
 def _skinny(
     x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, stride_x, eps, K: tl.constexpr,
     PROLOGUE: tl.constexpr,  # 0: x; 1: x + res, RMS-normed by nw; 2: silu(x[:, :K]) * x[:, K:]
@@ -41,42 +69,62 @@ def _skinny(
 ):  # fmt: skip
     # y[M, N] = prologue(x)[M, K] @ w[N, K]^T; one program per BLOCK_N output columns, all of
     # K. BLOCK_M >= 16 runs tensor-core dots; below, a broadcast multiply and sum (a GEMV).
+    # PDL: the first weight tile is loaded before waiting for the kernel before (weights do
+    # not depend on it), so that read overlaps the previous kernel's tail.
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm[:, None] < M
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    w_rows = w_ptr + rn[:, None] * K
+    n_ok = rn[:, None] < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        x = tl.load(x_ptr + rm[:, None] * stride_x + kk[None, :], mask=m_ok, other=0.0)
-        if PROLOGUE == 1:
-            r = tl.load(res_ptr + rm[:, None] * K + kk[None, :], mask=m_ok, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            if pid == 0:
-                tl.store(res_out_ptr + rm[:, None] * K + kk[None, :], x, mask=m_ok)
-            xf = x.to(tl.float32)
-            sq += xf * xf
-            x = (xf * tl.load(nw_ptr + kk).to(tl.float32)[None, :]).to(x.dtype)
-        if PROLOGUE == 2:
-            u = tl.load(x_ptr + rm[:, None] * stride_x + K + kk[None, :], mask=m_ok, other=0.0)
-            g = x.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(u.dtype)
-            x = (act.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
-        w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=rn[:, None] < N, other=0.0)
-        if BLOCK_M >= 16:
-            acc += tl.dot(x, tl.trans(w))
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if PDL:
+        w = tl.load(w_rows + rk[None, :], mask=n_ok, other=0.0)
+        gdc_launch_dependents()
+        gdc_wait()
+        acc, sq = _tile(
+            acc,
+            sq,
+            w,
+            0,
+            pid,
+            x_ptr,
+            res_ptr,
+            nw_ptr,
+            res_out_ptr,
+            rm,
+            rk,
+            m_ok,
+            stride_x,
+            K,
+            PROLOGUE,
+            BLOCK_M,
+        )
+    for k0 in range(BLOCK_K if PDL else 0, K, BLOCK_K):
+        w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok, other=0.0)
+        acc, sq = _tile(
+            acc,
+            sq,
+            w,
+            k0,
+            pid,
+            x_ptr,
+            res_ptr,
+            nw_ptr,
+            res_out_ptr,
+            rm,
+            rk,
+            m_ok,
+            stride_x,
+            K,
+            PROLOGUE,
+            BLOCK_M,
+        )
     if PROLOGUE == 1:
         acc *= tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
-    tl.store(
-        y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok & (rn[None, :] < N)
-    )
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_ok.T)
 
 
 def skinny(x, w, cfg, prologue=0, res=None, nw=None, res_out=None, eps=1e-5, pdl=False, out=None, block_m=16):

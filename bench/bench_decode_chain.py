@@ -4,13 +4,16 @@ variant), captured in one CUDA graph and replayed, at batch 1 and 16:
 
   base      cuBLAS (F.linear) with the engine's fused add+RMSNorm and SiLU-mul kernels
   skinny    the same chain with a Triton skinny matmul for every linear
-  +silu     down_proj reads gate/up and applies SiLU-mul as it loads (no SiLU-mul kernel)
-  +norm     qkv and gate_up add the residual and apply the RMSNorm as they load (no norm
+  skinny pdl=1   the skinny matmuls launched with programmatic dependent launch (PDL): a
+            kernel starts while the one before drains, reads its first weight tile, and waits
+            (griddepcontrol.wait) before its first read of an activation
+  allpdl    the same with the norm and SiLU-mul kernels launched with PDL too
+  with --sweep, first a sweep of tiles per shape (else the tiles found at 75c910a), and:
+  silu      down_proj reads gate/up and applies SiLU-mul as it loads (no SiLU-mul kernel)
+  norm      qkv and gate_up add the residual and apply the RMSNorm as they load (no norm
             kernel; program 0 writes the new residual stream)
-  pdl       each Triton variant again with programmatic dependent launch: a kernel starts
-            while the one before drains and waits (griddepcontrol.wait) before its first read
 
-  PYTHONPATH=. python bench/bench_decode_chain.py [--batch 1 16]
+  PYTHONPATH=. python bench/bench_decode_chain.py [--batch 1 16] [--sweep]
 
 Prints each variant's replay time per step and its difference to base, and checks every
 variant's output against base (bf16 rounding differs where the norm is fused).
@@ -127,6 +130,56 @@ def _skinny(
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_ok.T)
 
 
+@triton.jit
+def _add_rms_norm_pdl(x_ptr, res_ptr, w_ptr, out_ptr, total_ptr, cols, eps, BLOCK: tl.constexpr):
+    # ringserve.kernels' fused add + RMSNorm, launched with PDL: the weight is read before the
+    # wait, the next kernel may launch at once.
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    ok = c < cols
+    w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    gdc_launch_dependents()
+    gdc_wait()
+    x = tl.load(x_ptr + row * cols + c, mask=ok, other=0.0)
+    r = tl.load(res_ptr + row * cols + c, mask=ok, other=0.0)
+    x = (x.to(tl.float32) + r.to(tl.float32)).to(total_ptr.dtype.element_ty)
+    tl.store(total_ptr + row * cols + c, x, mask=ok)
+    xf = x.to(tl.float32)
+    normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / cols + eps)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * cols + c, (normed.to(tl.float32) * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _silu_mul_pdl(x_ptr, out_ptr, half, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < half
+    gdc_launch_dependents()
+    gdc_wait()
+    gate = tl.load(x_ptr + t * 2 * half + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * 2 * half + half + cols, mask=ok, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    tl.store(out_ptr + t * half + cols, (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype), mask=ok)
+
+
+def add_rms_norm_pdl(x, residual, weight, eps):
+    out, total = torch.empty_like(x), torch.empty_like(x)
+    _add_rms_norm_pdl[(x.shape[0],)](
+        x, residual, weight, out, total, x.shape[1], eps, BLOCK=triton.next_power_of_2(x.shape[1]),
+        num_warps=8, launch_pdl=True,
+    )  # fmt: skip
+    return out, total
+
+
+def silu_mul_pdl(gate_up):
+    half = gate_up.shape[1] // 2
+    out = torch.empty(gate_up.shape[0], half, dtype=gate_up.dtype, device=gate_up.device)
+    _silu_mul_pdl[(gate_up.shape[0], triton.cdiv(half, 1024))](
+        gate_up, out, half, BLOCK=1024, launch_pdl=True
+    )
+    return out
+
+
 def skinny(x, w, cfg, prologue=0, res=None, nw=None, res_out=None, eps=1e-5, pdl=False, out=None, block_m=16):
     m = x.shape[0]
     n, k = w.shape
@@ -194,16 +247,27 @@ def sweep(m, name, ws, k, prologue, configs):
     return results[0][1:]
 
 
-def run_batch(m, layers, lm_head, final_ln, shapes, configs):
+def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
     dev, dt = lm_head.device, lm_head.dtype
     x0 = torch.randn(m, H, device=dev, dtype=dt)
-    best = {}  # (name, prologue) -> (config, BLOCK_M), by a sweep over 32 distinct weights
-    for name, (_n, k) in shapes.items():
+    # (name, prologue) -> (config, BLOCK_M), by a sweep over 32 distinct weights, or as the
+    # sweep of commit 75c910a found them on an H200
+    best = {
+        ("qkv", 0): ((64, 256, 4, 4), 16),
+        ("o", 0): ((32, 512, 4, 4), 16),
+        ("gu", 0): ((32, 128, 4, 3), 16),
+        ("down", 0): ((32, 512, 4, 4), 16),
+        ("lm", 0): ((64, 128, 4, 3), 16),
+    }
+    for name, (_n, k) in shapes.items() if args.sweep else ():
         ws = [layer[name] for layer in layers] if name != "lm" else [lm_head]
         for prologue in {"qkv": (0, 1), "gu": (0, 1), "down": (0, 2)}.get(name, (0,)):
             best[name, prologue] = sweep(m, name, ws, k, prologue, configs)
 
     def chain(kind: str, pdl: bool):
+        norm = add_rms_norm_pdl if kind == "allpdl" else add_rms_norm
+        act = silu_mul_pdl if kind == "allpdl" else silu_mul
+
         def lin(x, name, w, prologue=0, **kw):
             if kind == "base":
                 return F.linear(x, w)
@@ -213,23 +277,23 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs):
         def run():
             x, residual = x0, torch.zeros_like(x0)
             for layer in layers:
-                if kind in ("base", "skinny", "silu"):
-                    h, residual = add_rms_norm(x, residual, layer["ln1"], 1e-5)
+                if kind in ("base", "skinny", "silu", "allpdl"):
+                    h, residual = norm(x, residual, layer["ln1"], 1e-5)
                     qkv = lin(h, "qkv", layer["qkv"])
                 else:
                     new_res = torch.empty_like(x)
                     qkv = lin(x, "qkv", layer["qkv"], 1, res=residual, nw=layer["ln1"], res_out=new_res)
                     residual = new_res
                 a = lin(qkv[:, :H], "o", layer["o"])  # stands for attention's output
-                if kind in ("base", "skinny", "silu"):
-                    h, residual = add_rms_norm(a, residual, layer["ln2"], 1e-5)
+                if kind in ("base", "skinny", "silu", "allpdl"):
+                    h, residual = norm(a, residual, layer["ln2"], 1e-5)
                     gu = lin(h, "gu", layer["gu"])
                 else:
                     new_res = torch.empty_like(x)
                     gu = lin(a, "gu", layer["gu"], 1, res=residual, nw=layer["ln2"], res_out=new_res)
                     residual = new_res
-                if kind in ("base", "skinny"):
-                    x = lin(silu_mul(gu), "down", layer["down"])
+                if kind in ("base", "skinny", "allpdl"):
+                    x = lin(act(gu), "down", layer["down"])
                 else:
                     x = lin(gu, "down", layer["down"], 2)
             h, _ = add_rms_norm(x, residual, final_ln, 1e-5)
@@ -239,7 +303,10 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs):
 
     outs = {}
     base_ms = None
-    for kind, pdl in [("base", False), ("skinny", False), ("silu", False), ("norm", False), ("norm", True)]:
+    kinds = [("base", False), ("skinny", False), ("skinny", True), ("allpdl", True)]
+    if args.sweep:
+        kinds += [("silu", False), ("norm", False), ("norm", True)]
+    for kind, pdl in kinds:
         fn = chain(kind, pdl)
         try:
             ms, g = graph_ms(fn)
@@ -260,6 +327,7 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--sweep", action="store_true", help="sweep tiles, and run the prologue variants")
     args = parser.parse_args()
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
@@ -279,7 +347,7 @@ def main():
     shapes = {"qkv": (NQKV, H), "o": (H, H), "gu": (2 * INTER, H), "down": (H, INTER), "lm": (V, H)}
     configs = list(itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 4)))
     for m in args.batch:
-        run_batch(m, layers, lm_head, final_ln, shapes, configs)
+        run_batch(m, layers, lm_head, final_ln, shapes, configs, args)
 
 
 if __name__ == "__main__":

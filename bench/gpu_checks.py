@@ -22,7 +22,8 @@ from ringserve.tiny_models import (
     ARCHITECTURES,
     hf_greedy,
     hf_model,
-    save_tiny_model,
+    make_hf_config,
+    save_random_model,
 )
 
 
@@ -206,10 +207,25 @@ def check_skinny():
 MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "llama4", "gpt_oss")
 
 
+def reference_config(arch: str):
+    """The tiny model's config, as this machine's transformers runs it: releases before 5.2x
+    hard-code gpt-oss's SwiGLU limit (7.0) and ignore the config's, so the tiny model's limit
+    of 1.0 (exercised on the CPU against a newer transformers) is raised to theirs."""
+    config = make_hf_config(arch)
+    if arch == "gpt_oss":
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        hard_coded = GptOssExperts(config).limit
+        if hard_coded != config.swiglu_limit:
+            print(f"gpt_oss: this transformers ignores swiglu_limit (uses {hard_coded}): the check uses it too")
+            config.swiglu_limit = hard_coded
+    return config
+
+
 def check_models():
     with tempfile.TemporaryDirectory() as tmp:
         for arch in ARCHITECTURES:
-            folder = save_tiny_model(arch, f"{tmp}/{arch}")
+            folder = save_random_model(reference_config(arch), f"{tmp}/{arch}")
             tokens = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(1)).tolist()
             ref = hf_model(folder).cuda()
             with torch.no_grad():

@@ -2,7 +2,7 @@
 whole step against its graph replay alone (the difference is host work not overlapped with
 the device), and the kernels of one replay by device time.
 
-  python bench/profile_decode.py [--batch 1 16 64] [--context 1024]
+  python bench/profile_decode.py [--batch 1 16 64] [--context 1024] [--max-model-len N --kv-gib G]
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ def main():
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument(
+        "--max-model-len", type=int, help="size the engine for this context (default: just the run's)"
+    )
+    parser.add_argument("--kv-gib", type=float, default=8.0)
     parser.add_argument("--trace-dir", default=os.environ.get("OUT"), help="chrome traces of 8 engine steps")
     args = parser.parse_args()
     folder, weights = random_llama3_8b()
@@ -46,10 +50,10 @@ def main():
         dtype="bfloat16",
         weights=weights,
         engine_config=EngineConfig(
-            max_model_len=args.context + 2 * args.steps + 64,
+            max_model_len=args.max_model_len or args.context + 2 * args.steps + 64,
             max_num_batched_tokens=max(args.batch) * args.context + 64,
             max_num_seqs=max(args.batch),
-            kv_cache_memory=8 << 30,
+            kv_cache_memory=int(args.kv_gib * (1 << 30)),
             enable_prefix_caching=False,
         ),
     )

@@ -8,7 +8,9 @@ and `ctx.all_reduce` (the tensor-parallel sum, identity on one rank).
 
 For fewer, fuller kernels per layer, q/k/v and gate/up are each one matmul (`MergedLinear`,
 filled from the checkpoint's separate tensors), residual adds run fused into the following
-RMSNorm, and RoPE rotates q and k in one pass (`ringserve.kernels`: Triton on CUDA).
+RMSNorm, and RoPE rotates q and k in one pass (`ringserve.kernels`: Triton on CUDA). At
+decode batch sizes on a GPU the linears' matmuls are a skinny kernel of ours
+(`ringserve.skinny_matmul`), which reads the weights closer to the memory's bandwidth.
 """
 
 from __future__ import annotations

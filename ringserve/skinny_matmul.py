@@ -6,15 +6,14 @@ Why our own: at decode a matmul is a read of W, and what a step costs is how clo
 comes to the memory's bandwidth. cuBLAS tiles these shapes for larger M; on an H200 it
 reads Llama-3-8B's o_proj (4096 x 4096) at ~3.0 TB/s and down_proj with a split-K reduce
 kernel after it. Measured inside a CUDA graph of the 32 layers' matmuls
-(bench/bench_decode_chain.py): this kernel takes the chain from 4.30 to 4.07 ms at batch 1.
+(bench/bench_decode_chain.py), this kernel takes the chain from 4.30 to 4.06 ms at batch 1,
+and the engine's whole decode step from 4.80 to 4.44-4.51 ms (BENCHMARKS.md).
 
 Everywhere else (the CPU, float32, more rows, shards too narrow to fill the GPU, K that no
 block divides) `linear` is F.linear.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +48,10 @@ def skinny_plan(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int] |
     return _plan(n, k, _multiprocessors(x.device.index))
 
 
-@functools.cache
 def _multiprocessors(device_index: int | None) -> int:
-    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count  # cached by torch
 
 
-@functools.cache
 def _plan(n: int, k: int, multiprocessors: int) -> tuple[int, int, int] | None:
     """Tiles from the sweep in bench/bench_decode_chain.py (H200, Llama-3-8B's shapes):
     32 columns and K in 512s where N is at most 4096 (o_proj, down_proj: 128 programs, each

@@ -5,6 +5,7 @@ a DynamicCache, and StaticCache + torch.compile(mode="reduce-overhead")), all ag
   python bench/bench_decode.py                      # $OUT/bench_decode.json + .png, table last
   python bench/bench_decode.py --smoke              # CPU, tiny model, a few steps: the logic only
   python bench/bench_decode.py --plot-from bench_decode.json --png bench_decode.png
+  python bench/bench_decode.py --short-only         # batch 1/16/64 and the batch-1 peer only
 
 Decode: ms per step (one token for each sequence) at batch 1, 16 and 64 after 1K-token
 prompts, and at batch 1 after 32K and 128K-token prompts (128K = 131072 - 128, so that the
@@ -258,7 +259,11 @@ def decode_context(shapes: Shapes, prompt: int) -> float:
 def kv_cache_bytes(sizes: dict, shapes: Shapes) -> int:
     """Room for the longest prompt and the largest batch of short prompts at once, +5%."""
     extra = shapes.warm + shapes.steps + 8
-    tokens = max(shapes.long + shapes.prefill) + extra + max(shapes.batches) * (shapes.short + extra)
+    tokens = (
+        max(shapes.long + shapes.prefill, default=shapes.short)
+        + extra
+        + max(shapes.batches) * (shapes.short + extra)
+    )
     return int(tokens * sizes["kv_bytes_per_token"] * 1.05)
 
 
@@ -268,7 +273,7 @@ def bench_ringserve(run: Run, folder, weights, sizes, dtype, eager: bool) -> Non
 
     shapes, device = run.shapes, run.device
     series = "ringserve_eager_ms" if eager else "ringserve_graphs_ms"
-    longest = max(shapes.long + shapes.prefill)
+    longest = max(shapes.long + shapes.prefill, default=shapes.short)
     extra = shapes.warm + shapes.steps + 8
     config = engine_config(
         max_model_len=longest + extra,
@@ -460,8 +465,9 @@ def finish_rows(data: dict) -> None:
         key(1, shapes.short): DECODE_TARGET_MS["b1_short"],
         key(16, shapes.short): DECODE_TARGET_MS["b16_short"],
         key(64, shapes.short): DECODE_TARGET_MS["b64_short"],
-        key(1, shapes.long[-1]): DECODE_TARGET_MS["b1_longest"],
     }
+    if shapes.long:
+        targets[key(1, shapes.long[-1])] = DECODE_TARGET_MS["b1_longest"]
     for k, row in data["decode"].items():
         row["floor_ms"] = decode_floor_ms(
             sizes, ceilings, row["batch"], decode_context(shapes, row["context"])
@@ -590,6 +596,12 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON and PNG")
     parser.add_argument("--plot-from", metavar="JSON", help="only plot (and tabulate) a run's JSON")
     parser.add_argument("--png", help="the plot's file (default: beside the JSON)")
+    parser.add_argument(
+        "--short-only",
+        action="store_true",
+        help="only decode after the short prompt (batch 1, 16, 64), ringserve with graphs against the "
+        "compiled peer at batch 1: the batch targets in about 2 minutes, no prefill or long context first",
+    )
     args = parser.parse_args()
     if args.plot_from:
         with open(args.plot_from) as f:
@@ -605,6 +617,8 @@ def main():
         torch.set_num_threads(1)  # a shared 2-core host: no thread oversubscription
     device = torch.device("cpu" if args.smoke else "cuda")
     shapes = SMOKE if args.smoke else FULL
+    if args.short_only:
+        shapes = dataclasses.replace(shapes, long=[], prefill=[])
     run = Run(args, shapes, device)
     try:
         run.data["machine"] = machine_info()
@@ -637,6 +651,11 @@ def main():
     run.part("ringserve graphs", bench_ringserve, run, folder, hf.state_dict(), sizes, dtype, False)
     compiled = compile_forward(run, hf)
     bench_hf_compiled(run, hf, compiled, [(1, shapes.short)])
+    if args.short_only:
+        finish_rows(run.data)
+        run.save()
+        print(table(run.data))
+        return
     bench_hf_eager(run, hf)
     if has_enforce_eager() or args.smoke:
         if args.smoke or run.fits("ringserve eager", 40):

@@ -51,6 +51,11 @@ class FusedExperts(nn.Module):
     def num_local_experts(self) -> int:
         return self.gate_up_proj.shape[0]
 
+    def on_device(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether grouped_forward runs without a host sync (kernels.grouped_mm_usable)."""
+        _, intermediate, hidden = self.down_proj.shape
+        return grouped_mm_usable(device, dtype, hidden, intermediate)
+
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[N, 2I] -> [N, I]: silu(gate) * up (Llama 4), or gpt-oss's clamped SwiGLU
         (up + 1) * g * sigmoid(alpha * g), g = gate clamped above at limit, up to +-limit."""
@@ -69,7 +74,7 @@ class FusedExperts(nn.Module):
 
     def grouped_forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """x [N, H]: rows sorted by local expert, expert e's ending at ends[e] ([E] int32) -> [N, H]."""
-        if x.is_cuda and x.dtype == torch.bfloat16 and grouped_mm_usable(x, self.down_proj.shape[1]):
+        if self.on_device(x.device, x.dtype):
             return self.grouped_mm_forward(x, ends)
         return self.loop_forward(x, ends)
 

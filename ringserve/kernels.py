@@ -47,13 +47,17 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def grouped_mm_usable(x: torch.Tensor, intermediate: int) -> bool:
-    """PyTorch's grouped matmul (private, no public equivalent yet) needs sm90+ and 16-aligned
-    dims: x [N, H], experts of `intermediate` columns."""
+def grouped_mm_usable(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
+    """Whether experts of this shape run as PyTorch's grouped matmul (private, no public
+    equivalent yet), reading their token counts on the device: bfloat16 on an sm90+ GPU,
+    hidden and intermediate sizes 16-aligned. Elsewhere they run one by one, the counts read
+    on the host (a sync, which no CUDA graph can hold)."""
     return (
         hasattr(torch, "_grouped_mm")
-        and torch.cuda.get_device_capability(x.device)[0] >= 9
-        and x.shape[1] % 16 == 0
+        and device.type == "cuda"
+        and dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(device)[0] >= 9
+        and hidden % 16 == 0
         and intermediate % 16 == 0
     )
 
@@ -64,8 +68,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if _use_triton(gate_up):
         return _silu_mul_triton(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    # In place into silu's output: one [T, I] temporary fewer (on a CPU a large one costs
-    # its page faults in every step).
+    # In place into silu's output: one [T, I] temporary fewer per layer.
     return torch.nn.functional.silu(gate).mul_(up)
 
 

@@ -289,6 +289,11 @@ class Experts(nn.Module):
     def num_local_experts(self) -> int:
         return self.gate_proj.shape[0]
 
+    def on_device(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether grouped_forward runs without a host sync (kernels.grouped_mm_usable)."""
+        _, intermediate, hidden = self.gate_proj.shape
+        return grouped_mm_usable(device, dtype, hidden, intermediate)
+
     def grouped_forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """x [N, H]: tokens sorted by expert, local expert e's rows ending at ends[e]
         ([E] int32 on x's device, the running count) -> [N, H].
@@ -297,7 +302,7 @@ class Experts(nn.Module):
         token costs nothing. On a GPU in bf16, one grouped matmul runs all experts at once,
         reading the group ends on the device (no host sync).
         """
-        if x.is_cuda and x.dtype == torch.bfloat16 and grouped_mm_usable(x, self.gate_proj.shape[1]):
+        if self.on_device(x.device, x.dtype):
             gate = torch._grouped_mm(x, self.gate_proj.transpose(1, 2), offs=ends)
             up = torch._grouped_mm(x, self.up_proj.transpose(1, 2), offs=ends)
             return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)

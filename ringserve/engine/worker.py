@@ -104,6 +104,15 @@ class Worker:
             # Dispatch sizes (uneven all-to-all splits) are known only on the host.
             logger.info("expert parallelism: decode runs eagerly (no CUDA graphs)")
             return None
+        dtype = next(self.model.parameters()).dtype
+        if any(not block.experts.on_device(self.device, dtype) for block in self.model.moe_blocks()):
+            # The expert-by-expert path reads each expert's token count on the host.
+            logger.info(
+                "MoE experts in %s run one by one with their token counts read on the host: decode runs "
+                "eagerly (no CUDA graphs); bfloat16 on an sm90+ GPU takes the grouped matmul",
+                dtype,
+            )
+            return None
         try:
             return DecodeGraphs(self.runner, min(ec.max_num_seqs, MAX_GRAPH_BATCH))
         except RuntimeError as e:

@@ -8,6 +8,9 @@ variant), captured in one CUDA graph and replayed, at batch 1 and 16:
             kernel starts while the one before drains, reads its first weight tile, and waits
             (griddepcontrol.wait) before its first read of an activation
   allpdl    the same with the norm and SiLU-mul kernels launched with PDL too
+  normepi   no norm kernels: each RMSNorm's weight folded into the matmul after it, whose
+            epilogue scales by rstd; the matmul before it adds the residual in its epilogue
+            and adds its columns' sum of squares to the row's (atomics); one memset a step
   with --sweep, first a sweep of tiles per shape (else the tiles found at 75c910a), and:
   silu      down_proj reads gate/up and applies SiLU-mul as it loads (no SiLU-mul kernel)
   norm      qkv and gate_up add the residual and apply the RMSNorm as they load (no norm
@@ -180,6 +183,81 @@ def silu_mul_pdl(gate_up):
     return out
 
 
+@triton.jit
+def _skinny_epi(
+    x_ptr, w_ptr, y_ptr, res_ptr, sq_in_ptr, sq_out_ptr, M, N, stride_x, eps, K: tl.constexpr,
+    RSTD: tl.constexpr, RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # The norm moved into epilogues, nothing on x's load path:
+    #   RSTD: x is the residual stream and w has the RMSNorm weight folded in (w * nw), so
+    #         norm(x) @ w^T = (x @ (w * nw)^T) * rstd, rstd = rsqrt(sq_in[m] / K + eps);
+    #   RESIDUAL: y = x @ w^T + res, rounded, stored, and sum(y^2) over this program's
+    #         columns added to sq_out[m] (the next norm's sum of squares, by atomics).
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    if RSTD:
+        sq = tl.load(sq_in_ptr + rm, mask=m_ok, other=0.0)
+        acc *= tl.rsqrt(sq / K + eps)[:, None]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if RESIDUAL:
+        acc += tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], y, mask=ok)
+    if RESIDUAL:
+        yf = tl.where(ok, y.to(tl.float32), 0.0)
+        tl.atomic_add(sq_out_ptr + rm, tl.sum(yf * yf, axis=1), mask=m_ok)
+
+
+def skinny_epi(x, w, cfg, rstd_from=None, res=None, sq_out=None, eps=1e-5):
+    m = x.shape[0]
+    n, k = w.shape
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = cfg
+    _skinny_epi[(triton.cdiv(n, bn),)](
+        x, w, y, res if res is not None else y, rstd_from if rstd_from is not None else y,
+        sq_out if sq_out is not None else y, m, n, x.stride(0), eps, K=k, RSTD=rstd_from is not None,
+        RESIDUAL=res is not None, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y
+
+
+def norm_epilogue_chain(x0, layers, lm_head, final_ln, best):
+    """The chain with every RMSNorm in epilogues (kind "normepi"): norm weights folded into
+    the next matmul's weight, one memset of the per-layer sums of squares per step."""
+    folded = [
+        {"qkv": layer["qkv"] * layer["ln1"][None, :], "gu": layer["gu"] * layer["ln2"][None, :]}
+        for layer in layers
+    ]
+    lm_folded = lm_head * final_ln[None, :]
+    sums = torch.zeros(2 * len(layers) + 1, x0.shape[0], device=x0.device, dtype=torch.float32)
+
+    def cfg(name):
+        return best[name, 0][0]
+
+    def run():
+        sums.zero_()
+        sums[0] = x0.float().pow(2).sum(-1)
+        h = x0
+        for i, (layer, f) in enumerate(zip(layers, folded)):
+            qkv = skinny_epi(h, f["qkv"], cfg("qkv"), rstd_from=sums[2 * i])
+            h = skinny_epi(qkv[:, :H], layer["o"], cfg("o"), res=h, sq_out=sums[2 * i + 1])
+            gu = skinny_epi(h, f["gu"], cfg("gu"), rstd_from=sums[2 * i + 1])
+            h = skinny_epi(silu_mul(gu), layer["down"], cfg("down"), res=h, sq_out=sums[2 * i + 2])
+        return skinny_epi(h, lm_folded, cfg("lm"), rstd_from=sums[-1])
+
+    return run
+
+
 def skinny(x, w, cfg, prologue=0, res=None, nw=None, res_out=None, eps=1e-5, pdl=False, out=None, block_m=16):
     m = x.shape[0]
     n, k = w.shape
@@ -265,6 +343,8 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
             best[name, prologue] = sweep(m, name, ws, k, prologue, configs)
 
     def chain(kind: str, pdl: bool):
+        if kind == "normepi":
+            return norm_epilogue_chain(x0, layers, lm_head, final_ln, best)
         norm = add_rms_norm_pdl if kind == "allpdl" else add_rms_norm
         act = silu_mul_pdl if kind == "allpdl" else silu_mul
 
@@ -303,7 +383,7 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
 
     outs = {}
     base_ms = None
-    kinds = [("base", False), ("skinny", False), ("skinny", True), ("allpdl", True)]
+    kinds = [("base", False), ("skinny", False), ("normepi", False), ("skinny", True), ("allpdl", True)]
     if args.sweep:
         kinds += [("silu", False), ("norm", False), ("norm", True)]
     for kind, pdl in kinds:

@@ -35,7 +35,9 @@ print("ok")
 @pytest.mark.skipif(S.triton is None, reason="needs Triton (its CPU interpreter)")
 def test_skinny_kernel_matches_f_linear():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=240
+    )
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-4000:]
 
 

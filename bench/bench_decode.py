@@ -40,7 +40,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # this tree's ringserve, whatever is installed
-from common import llama3_8b_config, machine_info, measure_ceilings  # noqa: E402
+from common import gpu_state, llama3_8b_config, machine_info, measure_ceilings  # noqa: E402
 
 from ringserve.config import EngineConfig  # noqa: E402
 
@@ -141,6 +141,9 @@ class Run:
     def decode(self, batch: int, context: int, series: str, ms: float) -> None:
         row = self.data["decode"].setdefault(key(batch, context), {"batch": batch, "context": context})
         row[series] = ms
+        state = None if self.args.smoke else gpu_state()
+        if state is not None:  # SM and memory clocks, temperature, power right after the timing
+            row.setdefault("gpu_state", {})[series] = state
 
     def part(self, name: str, fn, *a, **kw):
         """Run one part; an exception is reported and recorded, and the run goes on."""

@@ -56,6 +56,19 @@ def measure_ceilings() -> dict:
     return {"copy_bytes_per_s": copy_bw, "bf16_matmul_flops": matmul}
 
 
+def gpu_state() -> str | None:
+    """The GPU's clocks, temperature and power now (nvidia-smi), or None without it: beside a
+    figure, to tell a slow run from a throttled one."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
 def machine_info() -> dict:
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     try:

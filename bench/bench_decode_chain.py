@@ -4,13 +4,11 @@ variant), captured in one CUDA graph and replayed, at batch 1 and 16:
 
   base      cuBLAS (F.linear) with the engine's fused add+RMSNorm and SiLU-mul kernels
   skinny    the same chain with a Triton skinny matmul for every linear
-  skinny pdl=1   the skinny matmuls launched with programmatic dependent launch (PDL): a
-            kernel starts while the one before drains, reads its first weight tile, and waits
-            (griddepcontrol.wait) before its first read of an activation
-  allpdl    the same with the norm and SiLU-mul kernels launched with PDL too
   normepi   no norm kernels: each RMSNorm's weight folded into the matmul after it, whose
             epilogue scales by rstd; the matmul before it adds the residual in its epilogue
             and adds its columns' sum of squares to the row's (atomics); one memset a step
+  (programmatic dependent launch of these kernels was measured slower at 8a52eca and
+  dropped: BENCHMARKS.md)
   with --sweep, first a sweep of tiles per shape (else the tiles found at 75c910a), and:
   silu      down_proj reads gate/up and applies SiLU-mul as it loads (no SiLU-mul kernel)
   norm      qkv and gate_up add the residual and apply the RMSNorm as they load (no norm
@@ -32,7 +30,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ringserve.kernels import add_rms_norm, silu_mul
 
@@ -71,12 +68,10 @@ def _tile(
 def _skinny(
     x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, stride_x, eps, K: tl.constexpr,
     PROLOGUE: tl.constexpr,  # 0: x; 1: x + res, RMS-normed by nw; 2: silu(x[:, :K]) * x[:, K:]
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # y[M, N] = prologue(x)[M, K] @ w[N, K]^T; one program per BLOCK_N output columns, all of
     # K. BLOCK_M >= 16 runs tensor-core dots; below, a broadcast multiply and sum (a GEMV).
-    # PDL: the first weight tile is loaded before waiting for the kernel before (weights do
-    # not depend on it), so that read overlaps the previous kernel's tail.
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -86,29 +81,7 @@ def _skinny(
     n_ok = rn[:, None] < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    if PDL:
-        w = tl.load(w_rows + rk[None, :], mask=n_ok, other=0.0)
-        gdc_launch_dependents()
-        gdc_wait()
-        acc, sq = _tile(
-            acc,
-            sq,
-            w,
-            0,
-            pid,
-            x_ptr,
-            res_ptr,
-            nw_ptr,
-            res_out_ptr,
-            rm,
-            rk,
-            m_ok,
-            stride_x,
-            K,
-            PROLOGUE,
-            BLOCK_M,
-        )
-    for k0 in range(BLOCK_K if PDL else 0, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok, other=0.0)
         acc, sq = _tile(
             acc,
@@ -131,56 +104,6 @@ def _skinny(
     if PROLOGUE == 1:
         acc *= tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_ok.T)
-
-
-@triton.jit
-def _add_rms_norm_pdl(x_ptr, res_ptr, w_ptr, out_ptr, total_ptr, cols, eps, BLOCK: tl.constexpr):
-    # ringserve.kernels' fused add + RMSNorm, launched with PDL: the weight is read before the
-    # wait, the next kernel may launch at once.
-    row = tl.program_id(0)
-    c = tl.arange(0, BLOCK)
-    ok = c < cols
-    w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
-    gdc_launch_dependents()
-    gdc_wait()
-    x = tl.load(x_ptr + row * cols + c, mask=ok, other=0.0)
-    r = tl.load(res_ptr + row * cols + c, mask=ok, other=0.0)
-    x = (x.to(tl.float32) + r.to(tl.float32)).to(total_ptr.dtype.element_ty)
-    tl.store(total_ptr + row * cols + c, x, mask=ok)
-    xf = x.to(tl.float32)
-    normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / cols + eps)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * cols + c, (normed.to(tl.float32) * w).to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _silu_mul_pdl(x_ptr, out_ptr, half, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < half
-    gdc_launch_dependents()
-    gdc_wait()
-    gate = tl.load(x_ptr + t * 2 * half + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + t * 2 * half + half + cols, mask=ok, other=0.0)
-    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-    tl.store(out_ptr + t * half + cols, (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype), mask=ok)
-
-
-def add_rms_norm_pdl(x, residual, weight, eps):
-    out, total = torch.empty_like(x), torch.empty_like(x)
-    _add_rms_norm_pdl[(x.shape[0],)](
-        x, residual, weight, out, total, x.shape[1], eps, BLOCK=triton.next_power_of_2(x.shape[1]),
-        num_warps=8, launch_pdl=True,
-    )  # fmt: skip
-    return out, total
-
-
-def silu_mul_pdl(gate_up):
-    half = gate_up.shape[1] // 2
-    out = torch.empty(gate_up.shape[0], half, dtype=gate_up.dtype, device=gate_up.device)
-    _silu_mul_pdl[(gate_up.shape[0], triton.cdiv(half, 1024))](
-        gate_up, out, half, BLOCK=1024, launch_pdl=True
-    )
-    return out
 
 
 @triton.jit
@@ -258,15 +181,15 @@ def norm_epilogue_chain(x0, layers, lm_head, final_ln, best):
     return run
 
 
-def skinny(x, w, cfg, prologue=0, res=None, nw=None, res_out=None, eps=1e-5, pdl=False, out=None, block_m=16):
+def skinny(x, w, cfg, prologue=0, res=None, nw=None, res_out=None, eps=1e-5, out=None, block_m=16):
     m = x.shape[0]
     n, k = w.shape
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     bn, bk, warps, stages = cfg
     _skinny[(triton.cdiv(n, bn),)](
         x, w, y, res if res is not None else x, nw if nw is not None else x, res_out if res_out is not None else y,
-        m, n, x.stride(0), eps, K=k, PROLOGUE=prologue, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl,
-        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}),
+        m, n, x.stride(0), eps, K=k, PROLOGUE=prologue, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
 
@@ -342,38 +265,36 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
         for prologue in {"qkv": (0, 1), "gu": (0, 1), "down": (0, 2)}.get(name, (0,)):
             best[name, prologue] = sweep(m, name, ws, k, prologue, configs)
 
-    def chain(kind: str, pdl: bool):
+    def chain(kind: str):
         if kind == "normepi":
             return norm_epilogue_chain(x0, layers, lm_head, final_ln, best)
-        norm = add_rms_norm_pdl if kind == "allpdl" else add_rms_norm
-        act = silu_mul_pdl if kind == "allpdl" else silu_mul
 
         def lin(x, name, w, prologue=0, **kw):
             if kind == "base":
                 return F.linear(x, w)
             cfg, block_m = best[name, prologue]
-            return skinny(x, w, cfg, prologue, pdl=pdl, block_m=block_m, **kw)
+            return skinny(x, w, cfg, prologue, block_m=block_m, **kw)
 
         def run():
             x, residual = x0, torch.zeros_like(x0)
             for layer in layers:
-                if kind in ("base", "skinny", "silu", "allpdl"):
-                    h, residual = norm(x, residual, layer["ln1"], 1e-5)
+                if kind in ("base", "skinny", "silu"):
+                    h, residual = add_rms_norm(x, residual, layer["ln1"], 1e-5)
                     qkv = lin(h, "qkv", layer["qkv"])
                 else:
                     new_res = torch.empty_like(x)
                     qkv = lin(x, "qkv", layer["qkv"], 1, res=residual, nw=layer["ln1"], res_out=new_res)
                     residual = new_res
                 a = lin(qkv[:, :H], "o", layer["o"])  # stands for attention's output
-                if kind in ("base", "skinny", "silu", "allpdl"):
-                    h, residual = norm(a, residual, layer["ln2"], 1e-5)
+                if kind in ("base", "skinny", "silu"):
+                    h, residual = add_rms_norm(a, residual, layer["ln2"], 1e-5)
                     gu = lin(h, "gu", layer["gu"])
                 else:
                     new_res = torch.empty_like(x)
                     gu = lin(a, "gu", layer["gu"], 1, res=residual, nw=layer["ln2"], res_out=new_res)
                     residual = new_res
-                if kind in ("base", "skinny", "allpdl"):
-                    x = lin(act(gu), "down", layer["down"])
+                if kind in ("base", "skinny"):
+                    x = lin(silu_mul(gu), "down", layer["down"])
                 else:
                     x = lin(gu, "down", layer["down"], 2)
             h, _ = add_rms_norm(x, residual, final_ln, 1e-5)
@@ -383,22 +304,20 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
 
     outs = {}
     base_ms = None
-    kinds = [("base", False), ("skinny", False), ("normepi", False), ("skinny", True), ("allpdl", True)]
-    if args.sweep:
-        kinds += [("silu", False), ("norm", False), ("norm", True)]
-    for kind, pdl in kinds:
-        fn = chain(kind, pdl)
+    kinds = ["base", "skinny", "normepi"] + (["silu", "norm"] if args.sweep else [])
+    for kind in kinds:
+        fn = chain(kind)
         try:
             ms, g = graph_ms(fn)
         except Exception as e:
-            print(f"M={m:2d} {kind} pdl={pdl}: failed {type(e).__name__}: {e}", flush=True)
+            print(f"M={m:2d} {kind}: failed {type(e).__name__}: {e}", flush=True)
             continue
         out = fn().float()
-        outs[(kind, pdl)] = out
+        outs[kind] = out
         base_ms = base_ms or ms
-        err = ((out - outs[("base", False)]).norm() / outs[("base", False)].norm()).item()
+        err = ((out - outs["base"]).norm() / outs["base"].norm()).item()
         print(
-            f"M={m:2d} chain {kind:6s} pdl={int(pdl)}: {ms:6.3f} ms ({ms - base_ms:+.3f} vs base), "
+            f"M={m:2d} chain {kind:7s}: {ms:6.3f} ms ({ms - base_ms:+.3f} vs base), "
             f"rel err vs base {err:.1e}",
             flush=True,
         )

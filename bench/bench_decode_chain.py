@@ -7,6 +7,9 @@ variant), captured in one CUDA graph and replayed, at batch 1 and 16:
   normepi   no norm kernels: each RMSNorm's weight folded into the matmul after it, whose
             epilogue scales by rstd; the matmul before it adds the residual in its epilogue
             and adds its columns' sum of squares to the row's (atomics); one memset a step
+  glu       skinny, with gate/up's SiLU-mul in its epilogue (ringserve.skinny_matmul's
+            gated_linear: no SiLU-mul kernel, no [M, 2I] round trip); tiles swept first
+  (normepi and glu are measured apart: together, the gated epilogue would scale by rstd too)
   (programmatic dependent launch of these kernels was measured slower at 8a52eca and
   dropped: BENCHMARKS.md)
   with --sweep, first a sweep of tiles per shape (else the tiles found at 75c910a), and:
@@ -32,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ringserve.kernels import add_rms_norm, silu_mul
+from ringserve.skinny_matmul import skinny_linear
 
 H, INTER, NQKV, V, LAYERS = 4096, 14336, 6144, 128256, 32
 
@@ -194,6 +198,29 @@ def skinny(x, w, cfg, prologue=0, res=None, nw=None, res_out=None, eps=1e-5, out
     return y
 
 
+def sweep_glu(m, ws):
+    """The gated gate/up matmul's fastest (BLOCK_N per half, BLOCK_K, stages) over ws."""
+    x = torch.randn(m, H, device=ws[0].device, dtype=ws[0].dtype)
+    results = []
+    for plan in itertools.product((16, 32, 64), (64, 128, 256), (3, 4)):
+        if plan[0] * plan[1] * 4 * plan[2] > 200_000:
+            continue
+        try:
+            t, _ = graph_ms(lambda plan=plan: [skinny_linear(x, w, None, plan, "silu") for w in ws], reps=20)
+        except Exception as e:
+            print(f"  glu {plan}: {type(e).__name__}", flush=True)
+            continue
+        results.append((t * 1000 / len(ws), plan))
+    results.sort()
+    t_sep, _ = graph_ms(lambda: [silu_mul(F.linear(x, w)) for w in ws])
+    print(
+        f"M={m:2d} gate_up + SiLU-mul: gated best {results[0][0]:6.1f} us {results[0][1]} | cuBLAS + "
+        f"kernel {t_sep * 1000 / len(ws):6.1f} us | next {[(round(t, 1), p) for t, p in results[1:4]]}",
+        flush=True,
+    )
+    return results[0][1]
+
+
 def graph_ms(fn, reps=50):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -265,6 +292,8 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
         for prologue in {"qkv": (0, 1), "gu": (0, 1), "down": (0, 2)}.get(name, (0,)):
             best[name, prologue] = sweep(m, name, ws, k, prologue, configs)
 
+    glu_plan = sweep_glu(m, [layer["gu"] for layer in layers])
+
     def chain(kind: str):
         if kind == "normepi":
             return norm_epilogue_chain(x0, layers, lm_head, final_ln, best)
@@ -278,7 +307,7 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
         def run():
             x, residual = x0, torch.zeros_like(x0)
             for layer in layers:
-                if kind in ("base", "skinny", "silu"):
+                if kind in ("base", "skinny", "silu", "glu"):
                     h, residual = add_rms_norm(x, residual, layer["ln1"], 1e-5)
                     qkv = lin(h, "qkv", layer["qkv"])
                 else:
@@ -286,14 +315,18 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
                     qkv = lin(x, "qkv", layer["qkv"], 1, res=residual, nw=layer["ln1"], res_out=new_res)
                     residual = new_res
                 a = lin(qkv[:, :H], "o", layer["o"])  # stands for attention's output
-                if kind in ("base", "skinny", "silu"):
+                if kind == "glu":
+                    h, residual = add_rms_norm(a, residual, layer["ln2"], 1e-5)
+                elif kind in ("base", "skinny", "silu"):
                     h, residual = add_rms_norm(a, residual, layer["ln2"], 1e-5)
                     gu = lin(h, "gu", layer["gu"])
                 else:
                     new_res = torch.empty_like(x)
                     gu = lin(a, "gu", layer["gu"], 1, res=residual, nw=layer["ln2"], res_out=new_res)
                     residual = new_res
-                if kind in ("base", "skinny"):
+                if kind == "glu":
+                    x = lin(skinny_linear(h, layer["gu"], None, glu_plan, "silu"), "down", layer["down"])
+                elif kind in ("base", "skinny"):
                     x = lin(silu_mul(gu), "down", layer["down"])
                 else:
                     x = lin(gu, "down", layer["down"], 2)
@@ -304,7 +337,7 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
 
     outs = {}
     base_ms = None
-    kinds = ["base", "skinny", "normepi"] + (["silu", "norm"] if args.sweep else [])
+    kinds = ["base", "skinny", "glu", "normepi"] + (["silu", "norm"] if args.sweep else [])
     for kind in kinds:
         fn = chain(kind)
         try:

@@ -202,6 +202,20 @@ def check_skinny():
         worst = max(worst, rel(got, want))
     print(f"skinny matmul against float32: worst rel err {worst:.1e} over {len(shapes)} shapes x 3 batches")
     assert worst < 1e-2
+    # gate/up with the activation in the epilogue: Llama-3-8B's and a tp=2 shard's [2I, H]
+    worst = 0.0
+    for (n, k), m, activation in itertools.product(
+        [(28672, 4096), (14336, 4096), (11264, 2048)], (1, 3, 16), skinny_matmul.GATED_ACTIVATIONS
+    ):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        assert skinny_matmul.skinny_plan(x, w, gated=True) is not None, (n, k)
+        got = skinny_matmul.gated_linear(x, w, activation)
+        gate_up = torch.nn.functional.linear(x.float(), w.float())
+        want = skinny_matmul.GATED_ACTIVATIONS[activation](gate_up)  # the CPU-form ops in float32
+        worst = max(worst, rel(got, want))
+    print(f"gated skinny matmul (silu, gelu) against float32: worst rel err {worst:.1e}")
+    assert worst < 1e-2
 
 
 def check_skinny_engine():

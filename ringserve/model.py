@@ -25,14 +25,12 @@ from ringserve.config import ModelConfig, TPShard
 from ringserve.fused_moe import GptOssMoeBlock, Llama4MoeBlock
 from ringserve.kernels import (
     add_rms_norm,
-    gelu_tanh_mul,
     grouped_mm_usable,
     rms_norm,
     rotary_qk,
-    silu_mul,
     unit_offset_rms_norm,
 )
-from ringserve.skinny_matmul import linear
+from ringserve.skinny_matmul import gated_linear, linear
 
 
 class ForwardContext(Protocol):
@@ -239,20 +237,17 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), ctx)
 
 
-# act(gate) * up of a fused [T, 2I] gate/up output, by the config's hidden_act.
-_GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
-
-
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, hidden_act: str = "silu"):
         super().__init__()
         # [2 I, H]: this rank's gate rows, then its up rows.
         self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
-        self.act_mul = _GATED_ACTIVATIONS[hidden_act]
+        self.hidden_act = hidden_act  # a key of GATED_ACTIVATIONS (config.py checks it)
 
     def forward(self, x, ctx: ForwardContext):
-        return ctx.all_reduce(self.down_proj(self.act_mul(self.gate_up_proj.fused(x))))
+        # act(gate) * up [T, I] straight out of the gate/up matmul
+        return ctx.all_reduce(self.down_proj(gated_linear(x, self.gate_up_proj.weight, self.hidden_act)))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -9,14 +9,20 @@ kernel after it. Measured inside a CUDA graph of the 32 layers' matmuls
 (bench/bench_decode_chain.py), this kernel takes the chain from 4.30 to 4.06 ms at batch 1,
 and the engine's whole decode step from 4.80 to 4.44-4.51 ms (BENCHMARKS.md).
 
+`gated_linear` is the MLP's gate/up matmul with its activation in the epilogue: each program
+reads its columns' gate rows and up rows and writes act(gate) * up, so no [M, 2I] output is
+written and read back and no separate activation kernel runs.
+
 Everywhere else (the CPU, float32, more rows, shards too narrow to fill the GPU, K that no
-block divides) `linear` is F.linear.
+block divides) `linear` is F.linear and `gated_linear` F.linear and the activation kernel.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ringserve.kernels import gelu_tanh_mul, silu_mul
 
 try:
     import triton
@@ -26,6 +32,10 @@ except ImportError:  # CPU builds of torch come without Triton
 
 MAX_ROWS = 16  # decode batches up to here; the dot's tile has 16 rows either way
 _HALF = (torch.bfloat16, torch.float16)
+# act(gate) * up of a [M, 2I] gate/up output, by the config's hidden_act; and the kernel's
+# code for the same activation in its epilogue.
+GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
+_ACTIVATION_CODE = {"silu": 1, "gelu_pytorch_tanh": 2}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -36,8 +46,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return skinny_linear(x, weight, bias, plan)
 
 
-def skinny_plan(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int] | None:
-    """(BLOCK_N, BLOCK_K, num_stages) where the skinny kernel runs x @ weight^T, else None."""
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(x @ gate^T) * (x @ up^T) [M, I] for weight [2I, K] (gate rows, then up rows), as HF's
+    `act_fn(gate_proj(x)) * up_proj(x)`: each matmul's and the activation's result rounded to
+    x's dtype before the product."""
+    plan = skinny_plan(x, weight, gated=True)
+    if plan is None:
+        return GATED_ACTIVATIONS[activation](F.linear(x, weight))
+    return skinny_linear(x, weight, None, plan, activation)
+
+
+def skinny_plan(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> tuple[int, int, int] | None:
+    """(BLOCK_N, BLOCK_K, num_stages) where the skinny kernel runs x @ weight^T, else None.
+    gated: BLOCK_N counts the output's columns, each of which reads a gate and an up row."""
     if triton is None or not x.is_cuda or x.dtype not in _HALF or weight.dtype != x.dtype:
         return None
     if x.dim() != 2 or x.shape[0] > MAX_ROWS or x.shape[0] == 0 or x.stride(-1) != 1:
@@ -45,14 +66,14 @@ def skinny_plan(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int] |
     if not weight.is_contiguous():
         return None
     n, k = weight.shape
-    return _plan(n, k, _multiprocessors(x.device.index))
+    return _plan(n, k, _multiprocessors(x.device.index), gated)
 
 
 def _multiprocessors(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index or 0).multi_processor_count  # cached by torch
 
 
-def _plan(n: int, k: int, multiprocessors: int) -> tuple[int, int, int] | None:
+def _plan(n: int, k: int, multiprocessors: int, gated: bool = False) -> tuple[int, int, int] | None:
     """Tiles from the sweep in bench/bench_decode_chain.py (H200, Llama-3-8B's shapes):
     32 columns and K in 512s where N is at most 4096 (o_proj, down_proj: 128 programs, each
     with much in flight), 64 columns and K in 256s or 128s for wider ones (qkv, gate_up,
@@ -63,20 +84,27 @@ def _plan(n: int, k: int, multiprocessors: int) -> tuple[int, int, int] | None:
         return None
     preferred = 512 if n <= 4096 else 256 if n <= 8192 else 128
     block_k = next((b for b in (preferred, 256, 128, 64) if b <= preferred and k % b == 0), None)
-    if block_k is None:
+    if block_k is None or (gated and n % 2):
         return None
-    return block_n, block_k, 4 if block_k >= 256 else 3
+    # gated: the same rows in flight per program, half of them gate rows, half up rows
+    return block_n // 2 if gated else block_n, block_k, 4 if block_k >= 256 else 3
 
 
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: tuple[int, int, int]
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    plan: tuple[int, int, int],
+    activation: str | None = None,
 ) -> torch.Tensor:
+    """x @ weight^T + bias; with an activation, act(gate) * up of the two halves of weight."""
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] if activation is None else weight.shape[0] // 2
     block_n, block_k, stages = plan
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else y, y, m, n, x.stride(0), K=k, HAS_BIAS=bias is not None,
+        ACT=0 if activation is None else _ACTIVATION_CODE[activation],
         BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages,
     )  # fmt: skip
     return y
@@ -87,11 +115,13 @@ if triton is not None:
     @triton.jit
     def _skinny_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_x, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+        ACT: tl.constexpr,  # 0: y = x @ w^T; 1 silu, 2 gelu (tanh): y = act(x @ gate^T) * x @ up^T
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # y[M, N] = x[M, K] @ w[N, K]^T: program p owns columns p * BLOCK_N ..; its [BLOCK_N,
         # BLOCK_K] tiles of w are read once, pipelined over K (a constexpr: K % BLOCK_K == 0),
         # against x's rows padded to BLOCK_M (masked loads; x is tiny and stays in L2).
+        # With ACT, w is [2N, K]: the program also reads the up rows N + its columns.
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
@@ -99,13 +129,28 @@ if triton is not None:
         m_ok = rm[:, None] < M
         n_ok = rn < N
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # int64: the LM head passes 2^31 elements
+        up_rows = w_rows + N * K
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok, other=0.0)
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
             acc += tl.dot(x, tl.trans(w))
+            if ACT != 0:
+                w_up = tl.load(up_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
+                acc_up += tl.dot(x, tl.trans(w_up))
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ACT != 0:
+            # Rounded where HF rounds: each projection, the activation, the product.
+            dt = y_ptr.dtype.element_ty
+            gate = acc.to(dt).to(tl.float32)
+            if ACT == 1:
+                act = gate / (1.0 + tl.exp(-gate))
+            else:  # 0.5 g (1 + tanh(u)), tanh(u) = 1 - 2 / (1 + e^(2u))
+                inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+                act = 0.5 * gate * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * inner)))
+            acc = act.to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
         tl.store(
             y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_ok[None, :]
         )

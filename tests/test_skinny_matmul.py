@@ -28,6 +28,14 @@ for m, n, k, plan in ((1, 100, 256, (32, 128, 3)), (5, 64, 512, (64, 256, 4)), (
     for bias in (None, b):
         got = S.skinny_linear(x, w, bias, plan)
         torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+# The gate/up matmul with its activation in the epilogue: [2I, K] weights (gate rows, then
+# up rows), I not a multiple of BLOCK_N, against F.linear and the activation kernel's CPU form.
+for m, inter, k, plan in ((1, 100, 256, (32, 128, 3)), (7, 48, 128, (16, 64, 3))):
+    x = torch.randn(m, k)
+    w = torch.randn(2 * inter, k) / k**0.5
+    for activation, act_mul in S.GATED_ACTIVATIONS.items():
+        got = S.skinny_linear(x, w, None, plan, activation)
+        torch.testing.assert_close(got, act_mul(F.linear(x, w)), rtol=1e-5, atol=1e-5)
 print("ok")
 """
 
@@ -56,3 +64,14 @@ def test_skinny_plan_only_where_it_pays():
     x, w = torch.randn(1, 4096), torch.randn(4096, 4096)
     assert S.skinny_plan(x, w) is None and S.skinny_plan(x.bfloat16(), w.bfloat16()) is None
     assert torch.equal(S.linear(x, w), torch.nn.functional.linear(x, w))
+    # The gated form's columns each read a gate and an up row: half the columns per program.
+    assert S._plan(28672, 4096, 132, gated=True) == (32, 128, 3)
+    assert S._plan(4096, 4096, 132, gated=True) == (16, 512, 4)
+    assert S.skinny_plan(x, w, gated=True) is None
+    assert torch.equal(S.gated_linear(x, w, "silu"), S.silu_mul(torch.nn.functional.linear(x, w)))
+
+
+def test_gated_activations_are_the_configs():
+    from ringserve.config import MLP_ACTIVATIONS
+
+    assert set(S.GATED_ACTIVATIONS) == set(MLP_ACTIVATIONS)

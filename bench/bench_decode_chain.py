@@ -17,7 +17,15 @@ variant), captured in one CUDA graph and replayed, at batch 1 and 16:
   norm      qkv and gate_up add the residual and apply the RMSNorm as they load (no norm
             kernel; program 0 writes the new residual stream)
 
-  PYTHONPATH=. python bench/bench_decode_chain.py [--batch 1 16] [--sweep]
+  with --attention, each layer also runs its attention (ringserve's RoPE, KV store, paged
+  kernel and split merge over a 1K context, the splits an engine sized for 128K takes), and:
+  glu+pf-X  glu, and o_proj's weight prefetched into L2 on a side stream while attention
+            runs (the memory is idle then), X the prefetch kernel: asm (prefetch.global.L2
+            per 128-byte line), bulk (cp.async.bulk.prefetch.L2, 4 KiB a thread), load
+            (plain loads kept by a never-taken store); "-late" joins the side stream at the
+            step's end instead of before o_proj
+
+  PYTHONPATH=. python bench/bench_decode_chain.py [--batch 1 16] [--sweep] [--attention]
 
 Prints each variant's replay time per step and its difference to base, and checks every
 variant's output against base (bf16 rounding differs where the norm is fused).
@@ -34,10 +42,98 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ringserve.kernels import add_rms_norm, silu_mul
+from ringserve import paged_attention as pa
+from ringserve.kernels import add_rms_norm, rotary_qk, silu_mul, store_kv
 from ringserve.skinny_matmul import skinny_linear
 
 H, INTER, NQKV, V, LAYERS = 4096, 14336, 6144, 128256, 32
+NH, NKV, D, PAGE, CONTEXT = 32, 8, 128, 16, 1024
+
+
+@triton.jit
+def _prefetch_kernel(ptr, n_bytes, sentinel, dummy_ptr, KIND: tl.constexpr, BLOCK: tl.constexpr):
+    # Brings bytes [0, n_bytes) of ptr (uint8) into L2; programs stride over the range.
+    # KIND 0: a prefetch.global.L2 per 128-byte line; 2: loads of every byte, kept alive by a
+    # store that never happens (they hold registers until the data arrives).
+    pid = tl.program_id(0)
+    if KIND == 0:
+        step = tl.num_programs(0) * BLOCK * 128
+        for start in range(pid * BLOCK * 128, n_bytes, step):
+            offs = tl.minimum(start + tl.arange(0, BLOCK) * 128, n_bytes - 1)
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;", "=r,l", [ptr + offs],
+                dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+    else:
+        fptr = ptr.to(tl.pointer_type(tl.float32))
+        n = n_bytes // 4
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            acc += tl.load(fptr + offs, mask=offs < n, other=0.0, cache_modifier=".cg")
+        if tl.sum(acc) == sentinel:  # never: keeps the loads
+            tl.store(dummy_ptr + tl.arange(0, BLOCK), acc.to(tl.uint8))
+
+
+@triton.jit
+def _bulk_prefetch_kernel(ptr, n_chunks, BLOCK: tl.constexpr):
+    # One 4 KiB cp.async.bulk.prefetch.L2 per chunk index; programs stride over chunks.
+    pid = tl.program_id(0)
+    for start in range(pid * BLOCK, n_chunks, tl.num_programs(0) * BLOCK):
+        c = start + tl.arange(0, BLOCK)
+        addr = ptr + c.to(tl.int64) * 4096
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.lt.s32 p, $2, $3; @p cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0; }",
+            "=r,l,r,r", [addr, c, tl.full([BLOCK], 0, tl.int32) + n_chunks],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+def prefetch_l2(w: torch.Tensor, kind: str, programs: int = 64) -> None:
+    flat = w.view(-1).view(torch.uint8)
+    if kind == "bulk":
+        _bulk_prefetch_kernel[(programs,)](flat, flat.numel() // 4096, BLOCK=128, num_warps=4)
+        return
+    code, block = {"asm": (0, 512), "load": (2, 4096)}[kind]
+    _prefetch_kernel[(programs,)](flat, flat.numel(), -12345.0, flat, KIND=code, BLOCK=block, num_warps=4)
+
+
+def bench_prefetch(w: torch.Tensor) -> None:
+    """Each prefetch kernel alone on a weight (L2 flushed first by a 256 MiB write): its time
+    and the rate it reaches; then a skinny matmul over that weight right after it."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=w.device)
+    x = torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype)
+    plan = (32, 512, 4)
+    for kind, programs in itertools.product(("asm", "bulk", "load"), (32, 66, 132)):
+        times = {}
+        try:
+            prefetch_l2(w, kind, programs)
+        except Exception as e:
+            print(f"prefetch {kind}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        for what in ("prefetch", "matmul cold", "matmul after"):
+            ts = []
+            for _ in range(10):
+                flush.fill_(1)
+                start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                start.record()
+                if what != "matmul cold":
+                    prefetch_l2(w, kind, programs)
+                mid.record()
+                if what != "prefetch":
+                    skinny_linear(x, w, None, plan)
+                end.record()
+                torch.cuda.synchronize()
+                ts.append(
+                    mid.elapsed_time(end) * 1000 if what != "prefetch" else start.elapsed_time(mid) * 1000
+                )
+            times[what] = sorted(ts)[len(ts) // 2]
+        print(
+            f"prefetch {kind:4s} x{programs:3d}: {times['prefetch']:6.1f} us "
+            f"({w.numel() * w.element_size() / times['prefetch'] / 1e6:5.2f} TB/s); o_proj matmul "
+            f"cold {times['matmul cold']:5.1f} us, after the prefetch {times['matmul after']:5.1f} us",
+            flush=True,
+        )
 
 
 @triton.jit
@@ -158,7 +254,40 @@ def skinny_epi(x, w, cfg, rstd_from=None, res=None, sq_out=None, eps=1e-5):
     return y
 
 
-def norm_epilogue_chain(x0, layers, lm_head, final_ln, best):
+def attention_stand_in(m: int, device, dtype):
+    """attend(i, qkv) -> [m, H]: layer i's decode attention over a 1K context per row, as the
+    engine runs it (RoPE, KV store, paged kernel + merge); (lambda: qkv's q columns) if None."""
+    blocks = m * CONTEXT // PAGE
+    caches = [
+        (torch.randn(blocks * PAGE, NKV, D, device=device, dtype=dtype), torch.randn(blocks * PAGE, NKV, D, device=device, dtype=dtype))
+        for _ in range(LAYERS)
+    ]  # fmt: skip
+    tables = torch.randperm(blocks, device=device).int().view(m, CONTEXT // PAGE)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    rows = list(range(m))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = pa.decode_splits(m, NKV, 131200, sms)  # an engine sized for 128K, as bench_decode
+    paged = pa.PagedBatch(
+        i32(rows), i32(list(range(m + 1))), i32([CONTEXT] * m), i32(rows), i32([0] * m), 1, splits
+    )
+    slots = tables[:, -1].long() * PAGE + (CONTEXT - 1) % PAGE
+    angle = torch.randn(m, 1, D // 2, device=device)
+    cos, sin = torch.cat([angle.cos()] * 2, -1).to(dtype), torch.cat([angle.sin()] * 2, -1).to(dtype)
+    print(f"M={m:2d} attention: {splits} splits", flush=True)
+
+    def attend(i, qkv):
+        q = qkv[:, : NH * D].view(m, NH, D)
+        k = qkv[:, NH * D : (NH + NKV) * D].view(m, NKV, D)
+        v = qkv[:, (NH + NKV) * D :].view(m, NKV, D)
+        q, k = rotary_qk(q, k, cos, sin)
+        store_kv(k, v, *caches[i], slots)
+        out, _ = pa.paged_attention(q, *caches[i], tables, paged, PAGE, D**-0.5)
+        return out.view(m, H)
+
+    return attend
+
+
+def norm_epilogue_chain(x0, layers, lm_head, final_ln, best, attend):
     """The chain with every RMSNorm in epilogues (kind "normepi"): norm weights folded into
     the next matmul's weight, one memset of the per-layer sums of squares per step."""
     folded = [
@@ -177,7 +306,7 @@ def norm_epilogue_chain(x0, layers, lm_head, final_ln, best):
         h = x0
         for i, (layer, f) in enumerate(zip(layers, folded)):
             qkv = skinny_epi(h, f["qkv"], cfg("qkv"), rstd_from=sums[2 * i])
-            h = skinny_epi(qkv[:, :H], layer["o"], cfg("o"), res=h, sq_out=sums[2 * i + 1])
+            h = skinny_epi(attend(i, qkv), layer["o"], cfg("o"), res=h, sq_out=sums[2 * i + 1])
             gu = skinny_epi(h, f["gu"], cfg("gu"), rstd_from=sums[2 * i + 1])
             h = skinny_epi(silu_mul(gu), layer["down"], cfg("down"), res=h, sq_out=sums[2 * i + 2])
         return skinny_epi(h, lm_folded, cfg("lm"), rstd_from=sums[-1])
@@ -293,10 +422,18 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
             best[name, prologue] = sweep(m, name, ws, k, prologue, configs)
 
     glu_plan = sweep_glu(m, [layer["gu"] for layer in layers])
+    attend = attention_stand_in(m, dev, dt) if args.attention else (lambda i, qkv: qkv[:, :H])
+    if args.attention and m == args.batch[0]:
+        bench_prefetch(layers[0]["o"])
+    side = torch.cuda.Stream()
 
     def chain(kind: str):
         if kind == "normepi":
-            return norm_epilogue_chain(x0, layers, lm_head, final_ln, best)
+            return norm_epilogue_chain(x0, layers, lm_head, final_ln, best, attend)
+        prefetch = kind.split("+pf-")[1] if "+pf-" in kind else None
+        late = prefetch is not None and prefetch.endswith("-late")
+        if late:
+            prefetch = prefetch.removesuffix("-late")
 
         def lin(x, name, w, prologue=0, **kw):
             if kind == "base":
@@ -306,16 +443,24 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
 
         def run():
             x, residual = x0, torch.zeros_like(x0)
-            for layer in layers:
-                if kind in ("base", "skinny", "silu", "glu"):
+            main = torch.cuda.current_stream()
+            for i, layer in enumerate(layers):
+                if kind in ("base", "skinny", "silu") or kind.startswith("glu"):
                     h, residual = add_rms_norm(x, residual, layer["ln1"], 1e-5)
                     qkv = lin(h, "qkv", layer["qkv"])
                 else:
                     new_res = torch.empty_like(x)
                     qkv = lin(x, "qkv", layer["qkv"], 1, res=residual, nw=layer["ln1"], res_out=new_res)
                     residual = new_res
-                a = lin(qkv[:, :H], "o", layer["o"])  # stands for attention's output
-                if kind == "glu":
+                if prefetch:  # o_proj's weight into L2 while attention runs
+                    side.wait_stream(main)
+                    with torch.cuda.stream(side):
+                        prefetch_l2(layer["o"], prefetch)
+                a = attend(i, qkv)
+                if prefetch and not late:
+                    main.wait_stream(side)
+                a = lin(a, "o", layer["o"])
+                if kind.startswith("glu"):
                     h, residual = add_rms_norm(a, residual, layer["ln2"], 1e-5)
                 elif kind in ("base", "skinny", "silu"):
                     h, residual = add_rms_norm(a, residual, layer["ln2"], 1e-5)
@@ -324,13 +469,15 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
                     new_res = torch.empty_like(x)
                     gu = lin(a, "gu", layer["gu"], 1, res=residual, nw=layer["ln2"], res_out=new_res)
                     residual = new_res
-                if kind == "glu":
+                if kind.startswith("glu"):
                     x = lin(skinny_linear(h, layer["gu"], None, glu_plan, "silu"), "down", layer["down"])
                 elif kind in ("base", "skinny"):
                     x = lin(silu_mul(gu), "down", layer["down"])
                 else:
                     x = lin(gu, "down", layer["down"], 2)
             h, _ = add_rms_norm(x, residual, final_ln, 1e-5)
+            if prefetch:
+                main.wait_stream(side)
             return lin(h, "lm", lm_head)
 
         return run
@@ -338,6 +485,8 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
     outs = {}
     base_ms = None
     kinds = ["base", "skinny", "glu", "normepi"] + (["silu", "norm"] if args.sweep else [])
+    if args.attention:
+        kinds += ["glu+pf-asm", "glu+pf-bulk", "glu+pf-load", "glu+pf-asm-late", "glu+pf-bulk-late"]
     for kind in kinds:
         fn = chain(kind)
         try:
@@ -360,6 +509,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--sweep", action="store_true", help="sweep tiles, and run the prologue variants")
+    parser.add_argument(
+        "--attention", action="store_true", help="attention in each layer; L2 prefetch variants"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16

@@ -220,9 +220,13 @@ def check_skinny():
 
 def check_skinny_engine():
     """The skinny matmul inside the engine, where the tiny models never take it (too narrow):
-    a 4-layer Llama of widths where every linear does (hidden 2048), bf16. Logits over a
-    prefill and 24 decode steps against transformers in bf16, and greedy tokens with CUDA
-    graphs equal to eager ones."""
+    a 4-layer Llama of widths where every linear does (hidden 2048), bf16, a prefill and 24
+    decode steps (CUDA graphs). Its logits' error against transformers in float32 on the
+    same (bf16-rounded) weights must be no larger than the engine's own with cuBLAS for every
+    matmul, nor than transformers' in bf16. (Greedy tokens of graphs against eager are not
+    compared here: with these random weights the top logits lie closer than bf16's rounding,
+    and eager decode splits the keys by the context, graphs by the longest one, so the two
+    round differently; bench/gpu_decode_checks.py compares them on the tiny models.)"""
     import transformers as tf
 
     from ringserve import skinny_matmul
@@ -232,37 +236,40 @@ def check_skinny_engine():
         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False,
     )  # fmt: skip
     calls = []
-    kernel = skinny_matmul.skinny_linear
+    kernel, plan = skinny_matmul.skinny_linear, skinny_matmul.skinny_plan
 
     def counted(*args):
         calls.append(args[1].shape)
         return kernel(*args)
 
-    skinny_matmul.skinny_linear = counted
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = save_random_model(config, f"{tmp}/llama_wide")
-            tokens = torch.randint(0, 32000, (64,), generator=torch.Generator().manual_seed(2)).tolist()
-            with torch.no_grad():
-                ref = hf_model(folder).cuda().to(torch.bfloat16)
-                ref_logits = ref(torch.tensor([tokens], device="cuda")).logits[0]
-            ours = engine_logits(LLMEngine(folder, device="cuda", dtype="bfloat16"), tokens, prefill=40)
-            err = rel(ours, ref_logits)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_random_model(config, f"{tmp}/llama_wide")
+        tokens = torch.randint(0, 32000, (64,), generator=torch.Generator().manual_seed(2)).tolist()
+        with torch.no_grad():
+            ref = hf_model(folder).cuda().to(torch.bfloat16)
+            ids = torch.tensor([tokens], device="cuda")
+            hf_bf16 = ref(ids).logits[0]
+            ref32 = ref.float()(ids).logits[0]  # the same bf16 weights, computed in float32
+        errs = {}
+        try:
+            skinny_matmul.skinny_linear = counted
+            engine = LLMEngine(folder, device="cuda", dtype="bfloat16")
+            errs["skinny"] = rel(engine_logits(engine, tokens, prefill=40), ref32)
+            engine.close()
             taken = len(calls)
-            params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-            runs = {}
-            for eager in (False, True):
-                with LLM(folder, device="cuda", dtype="bfloat16", enforce_eager=eager) as llm:
-                    runs[eager] = [
-                        o.token_ids for o in llm.generate([tokens[:20], tokens[5:40], tokens[:3]], params)
-                    ]
-    finally:
-        skinny_matmul.skinny_linear = kernel
+            skinny_matmul.skinny_plan = lambda *a, **kw: None
+            engine = LLMEngine(folder, device="cuda", dtype="bfloat16")
+            errs["cublas"] = rel(engine_logits(engine, tokens, prefill=40), ref32)
+            engine.close()
+        finally:
+            skinny_matmul.skinny_linear, skinny_matmul.skinny_plan = kernel, plan
+    errs["transformers bf16"] = rel(hf_bf16, ref32)
     print(
-        f"skinny matmul in the engine: {taken} calls in 24 decode steps, bf16 logits rel err {err:.1e} "
-        f"against transformers, greedy tokens with graphs equal eager: {runs[False] == runs[True]}"
+        f"skinny matmul in the engine: {taken} calls in 24 decode steps; bf16 logits rel err against "
+        f"float32: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items())
     )
-    assert taken >= 24 * 4 * 4 and err < 3e-2 and runs[False] == runs[True]
+    assert taken >= 24 * 4 * 4
+    assert errs["skinny"] <= 1.2 * errs["cublas"] and errs["skinny"] <= 1.2 * errs["transformers bf16"]
 
 
 MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "llama4", "gpt_oss")

@@ -47,6 +47,16 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots):
+    """rotary_qk(q, k, cos, sin), and the rotated k with v stored to the cache at slots (as
+    store_kv): on CUDA one launch for the layer's RoPE and KV write. Returns (q, k) rotated."""
+    if _use_triton(q):
+        return _rotary_triton(q, k, cos, sin, (v, k_cache, v_cache, slots))
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    store_kv(k, v, k_cache, v_cache, slots)
+    return q, k
+
+
 def grouped_mm_usable(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
     """Whether experts of this shape run as PyTorch's grouped matmul (private, no public
     equivalent yet), reading their token counts on the device: bfloat16 on an sm90+ GPU,
@@ -166,7 +176,8 @@ def _rms_norm_triton(x, residual, weight, eps):
     return out, total
 
 
-def _rotary_triton(q, k, cos, sin):
+def _rotary_triton(q, k, cos, sin, store=None):
+    """store: (v, k_cache, v_cache, slots) to also write the rotated k and v to the cache."""
     tokens, num_q, head_dim = q.shape
     num_k = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -178,30 +189,22 @@ def _rotary_triton(q, k, cos, sin):
     if k.stride(-1) != 1:
         k = k.contiguous()
     cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
+    if store is not None:
+        v, k_cache, v_cache, slots = store
+        if v.stride(2) != 1 or v.stride(1) != head_dim:
+            v = v.contiguous()
+    else:  # not written: STORE is off
+        v, k_cache, v_cache, slots = k, k_out, k_out, cos
     half = head_dim // 2
     block_d = triton.next_power_of_2(half)
     block_q, block_k = triton.next_power_of_2(num_q), triton.next_power_of_2(num_k)
     _rotary_kernel[(tokens,)](
-        q,
-        k,
-        cos,
-        sin,
-        q_out,
-        k_out,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        cos.stride(0),
-        sin.stride(0),
-        num_q,
-        num_k,
-        half,
-        BLOCK_Q=block_q,
-        BLOCK_K=block_k,
-        BLOCK_D=block_d,
-        num_warps=_num_warps(max(block_q, block_k) * block_d),
-    )
+        q, k, cos, sin, q_out, k_out, v, k_cache, v_cache, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), v.stride(0),
+        k_cache.stride(0), v_cache.stride(0), num_q, num_k, half,
+        STORE=store is not None, BLOCK_Q=block_q, BLOCK_K=block_k, BLOCK_D=block_d,
+        BLOCK_V=triton.next_power_of_2(num_k * head_dim), num_warps=_num_warps(max(block_q, block_k) * block_d),
+    )  # fmt: skip
     return q_out, k_out
 
 
@@ -304,9 +307,11 @@ if triton is not None:
         )
 
     @triton.jit
-    def _rotate_heads(src, head_stride, dst, num_heads, half, cos, sin, d, d_ok, BLOCK_H: tl.constexpr):
-        """One token's heads [H, 2 * half] -> dst contiguous. HF: x * cos + rotate_half(x) * sin,
-        each product and the sum rounded to x's dtype."""
+    def _rotate_heads(
+        src, head_stride, dst, num_heads, half, cos, sin, d, d_ok, dst2, BLOCK_H: tl.constexpr, TO_DST2: tl.constexpr
+    ):  # fmt: skip
+        """One token's heads [H, 2 * half] -> dst contiguous (and dst2 with TO_DST2). HF:
+        x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype."""
         h = tl.arange(0, BLOCK_H)
         ok = (h < num_heads)[:, None] & d_ok[None, :]
         src_off = h[:, None] * head_stride + d[None, :]
@@ -321,6 +326,9 @@ if triton is not None:
         dst_off = h[:, None] * (2 * half) + d[None, :]
         tl.store(dst + dst_off, lo.to(dt), mask=ok)
         tl.store(dst + dst_off + half, hi.to(dt), mask=ok)
+        if TO_DST2:
+            tl.store(dst2 + dst_off, lo.to(dt), mask=ok)
+            tl.store(dst2 + dst_off + half, hi.to(dt), mask=ok)
 
     @triton.jit
     def _rotary_kernel(
@@ -330,45 +338,35 @@ if triton is not None:
         sin_ptr,
         q_out,  # [T, NH, D] contiguous
         k_out,  # [T, NKV, D] contiguous
-        q_stride_t,
-        q_stride_h,
-        k_stride_t,
-        k_stride_h,
-        cos_stride_t,
-        sin_stride_t,
-        num_q,
-        num_k,
-        half,
-        BLOCK_Q: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-    ):
-        t = tl.program_id(0).to(tl.int64)  # one token: all its q and k heads
+        v_ptr,  # STORE: [T, NKV, D], each token's heads contiguous
+        k_cache,  # STORE: [S, NKV, D], each slot's heads contiguous
+        v_cache,
+        slots_ptr,  # STORE: [T] each token's cache slot
+        q_stride_t, q_stride_h, k_stride_t, k_stride_h, cos_stride_t, sin_stride_t, v_stride_t,
+        k_cache_stride, v_cache_stride, num_q, num_k, half,
+        STORE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)  # one token: all its q and k heads (and its v)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < half
         cos = tl.load(cos_ptr + t * cos_stride_t + d, mask=d_ok, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + t * sin_stride_t + d, mask=d_ok, other=0.0).to(tl.float32)
+        row = num_k * 2 * half
+        slot = t
+        if STORE:
+            slot = tl.load(slots_ptr + t).to(tl.int64)
         _rotate_heads(
-            q_ptr + t * q_stride_t,
-            q_stride_h,
-            q_out + t * num_q * 2 * half,
-            num_q,
-            half,
-            cos,
-            sin,
-            d,
-            d_ok,
-            BLOCK_Q,
-        )
+            q_ptr + t * q_stride_t, q_stride_h, q_out + t * num_q * 2 * half, num_q, half, cos, sin, d, d_ok,
+            q_out, BLOCK_Q, False,
+        )  # fmt: skip
         _rotate_heads(
-            k_ptr + t * k_stride_t,
-            k_stride_h,
-            k_out + t * num_k * 2 * half,
-            num_k,
-            half,
-            cos,
-            sin,
-            d,
-            d_ok,
-            BLOCK_K,
-        )
+            k_ptr + t * k_stride_t, k_stride_h, k_out + t * row, num_k, half, cos, sin, d, d_ok,
+            k_cache + slot * k_cache_stride, BLOCK_K, STORE,
+        )  # fmt: skip
+        if STORE:
+            c = tl.arange(0, BLOCK_V)
+            ok = c < row
+            tl.store(
+                v_cache + slot * v_cache_stride + c, tl.load(v_ptr + t * v_stride_t + c, mask=ok), mask=ok
+            )

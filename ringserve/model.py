@@ -35,12 +35,19 @@ from ringserve.skinny_matmul import gated_linear, linear
 
 class ForwardContext(Protocol):
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None = None,
+        rope: PositionTables | None = None,
     ) -> torch.Tensor:
         """q [T, NH, D], k and v [T, NKV, D] of this step's tokens -> [T, NH, D], each query
         over the keys its layer's window lets it see (ModelConfig.attention_window). sinks
         [NH] (this rank's heads): a logit per head that joins the softmax denominator only
-        (gpt-oss), applied once every partial is merged."""
+        (gpt-oss), applied once every partial is merged. rope: q and k are not yet rotated;
+        the context rotates them as it stores the new keys (one kernel for both)."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the tensor-parallel ranks."""
@@ -225,15 +232,16 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.uses_rope:
+        rope = pos if self.uses_rope else None
+        if self.l2_eps is not None:  # Llama 4's L2 norm comes after RoPE
             q, k = rotary_qk(q, k, pos.cos, pos.sin)
-        else:
-            q, k = q.contiguous(), k.contiguous()
-        if self.l2_eps is not None:
             q, k = l2_norm_heads(q, self.l2_eps), l2_norm_heads(k, self.l2_eps)
+            rope = None
+        elif rope is None:
+            q, k = q.contiguous(), k.contiguous()
         if self.temperature_tuned:
             q = (q * pos.q_scale).to(q.dtype)
-        out = ctx.attend(self.layer, q, k, v, sinks=self.sinks)
+        out = ctx.attend(self.layer, q, k, v, sinks=self.sinks, rope=rope)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), ctx)
 
 

@@ -55,6 +55,15 @@ for dtype, rtol, atol in ((torch.float32, 1e-6, 1e-6), (torch.bfloat16, 3 * 2**-
     check(q_rot, K.apply_rotary(q, cos, sin))
     check(k_rot, K.apply_rotary(k, cos, sin))
     assert torch.equal(qkv[:, : nh * d].view(tokens, nh, d), q)  # inputs untouched
+    # the same launch also writing the rotated k and v (a view of qkv) to their cache slots
+    v = v.view(tokens, nkv, d)
+    k_cache, v_cache = torch.zeros(50, nkv, d).to(dtype), torch.zeros(50, nkv, d).to(dtype)
+    slots = torch.tensor([3, 17, 4, 49, 0, 22, 8])
+    q_rot2, k_rot2 = K._rotary_triton(q, k, cos, sin, (v, k_cache, v_cache, slots))
+    assert torch.equal(q_rot2, q_rot) and torch.equal(k_rot2, k_rot)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    want_k[slots], want_v[slots] = k_rot, v
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 # No tokens: nothing launched, empty outputs.
 empty = torch.randn(0, hidden)

@@ -11,7 +11,7 @@ import torch
 from ringserve.attention import VarlenBatch, attention_with_lse
 from ringserve.config import FULL_ATTENTION, AttentionWindow
 from ringserve.engine.kv_cache import KVCache
-from ringserve.kernels import store_kv
+from ringserve.kernels import rotary_store_kv, store_kv
 from ringserve.lse_merge import add_sinks
 from ringserve.paged_attention import PagedBatch, paged_attention
 
@@ -30,11 +30,16 @@ class _StepContext:
     def window(self, layer: int) -> AttentionWindow:
         return self.windows[layer] if self.windows else FULL_ATTENTION
 
-    def write_kv(self, layer: int, k, v):
-        """Store the new tokens' KV; returns this layer's cache tensors."""
+    def write_kv(self, layer: int, q, k, v, rope):
+        """Store the new tokens' KV, rotating q and k first when rope is given (one kernel);
+        returns (q, k, this layer's k_cache, v_cache)."""
         k_cache, v_cache = self.kv_cache.layer(layer)
-        store_kv(k, v, k_cache, v_cache, self.slot_mapping[self.kv_cache.groups.layer_group[layer]])
-        return k_cache, v_cache
+        slots = self.slot_mapping[self.kv_cache.groups.layer_group[layer]]
+        if rope is None:
+            store_kv(k, v, k_cache, v_cache, slots)
+        else:
+            q, k = rotary_store_kv(q, k, v, rope.cos, rope.sin, k_cache, v_cache, slots)
+        return q, k, k_cache, v_cache
 
     def all_reduce(self, x):
         return self.tp_all_reduce(x)
@@ -58,8 +63,8 @@ class PagedAttentionContext(_StepContext):
     paged: PagedBatch | None = None
     block_tables: torch.Tensor | None = None  # [groups, rows, max_blocks] int32, the runner's
 
-    def attend(self, layer: int, q, k, v, sinks=None):
-        k_cache, v_cache = self.write_kv(layer, k, v)
+    def attend(self, layer: int, q, k, v, sinks=None, rope=None):
+        q, k, k_cache, v_cache = self.write_kv(layer, q, k, v, rope)
         window = self.window(layer)
         if self.dense is not None:
             out, lse = attention_with_lse(q, k, v, self.dense, self.scale, window)
@@ -86,8 +91,8 @@ class RingAttentionContext(_StepContext):
     local_slots: torch.Tensor
     ring: Callable  # RingAttention: (q, k_local, v_local, window) -> (out, lse)
 
-    def attend(self, layer: int, q, k, v, sinks=None):
-        k_cache, v_cache = self.write_kv(layer, k, v)
+    def attend(self, layer: int, q, k, v, sinks=None, rope=None):
+        q, k, k_cache, v_cache = self.write_kv(layer, q, k, v, rope)
         window = self.window(layer)
         rows = self.ring.local_key_rows(window)  # a window: only the keys some query sees
         group_slots = self.local_slots[self.kv_cache.groups.layer_group[layer]]

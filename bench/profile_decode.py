@@ -41,9 +41,6 @@ def main():
         "--max-model-len", type=int, help="size the engine for this context (default: just the run's)"
     )
     parser.add_argument("--kv-gib", type=float, default=8.0)
-    parser.add_argument(
-        "--no-l2-prefetch", action="store_true", help="switch off o_proj's L2 prefetch (graphs recaptured)"
-    )
     parser.add_argument("--trace-dir", default=os.environ.get("OUT"), help="chrome traces of 8 engine steps")
     args = parser.parse_args()
     folder, weights = random_llama3_8b()
@@ -62,11 +59,6 @@ def main():
     )
     del weights
     runner = engine.executor.worker.runner
-    if args.no_l2_prefetch:
-        from ringserve.engine.graphs import DecodeGraphs
-
-        runner.prefetcher = None
-        runner.graphs = DecodeGraphs(runner, max(runner.graphs.buckets))
     params = SamplingParams(max_tokens=2 * args.steps + 16, temperature=0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for batch in args.batch:

@@ -15,7 +15,6 @@ decode batch sizes on a GPU the linears' matmuls are a skinny kernel of ours
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from typing import NamedTuple, Protocol
 
 import torch
@@ -52,10 +51,6 @@ class ForwardContext(Protocol):
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the tensor-parallel ranks."""
-
-    def prefetching(self, weight: torch.Tensor) -> AbstractContextManager:
-        """A block of kernels that leave the memory idle, during which the weight the next
-        matmul reads is fetched into the GPU's L2 (or nothing happens, where it would not pay)."""
 
     def run_experts(self, experts: Experts, x, expert_ids, weights) -> torch.Tensor:
         """sum_j weights[t, j] * expert[expert_ids[t, j]](x[t]) for every token t: on this
@@ -246,8 +241,7 @@ class Attention(nn.Module):
             q, k = q.contiguous(), k.contiguous()
         if self.temperature_tuned:
             q = (q * pos.q_scale).to(q.dtype)
-        with ctx.prefetching(self.o_proj.weight):  # read next; fetched while attention runs
-            out = ctx.attend(self.layer, q, k, v, sinks=self.sinks, rope=rope)
+        out = ctx.attend(self.layer, q, k, v, sinks=self.sinks, rope=rope)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), ctx)
 
 

@@ -4,7 +4,6 @@ KV is written in the paged cache, and the attention over it (paged, dense, or th
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +12,6 @@ from ringserve.attention import VarlenBatch, attention_with_lse
 from ringserve.config import FULL_ATTENTION, AttentionWindow
 from ringserve.engine.kv_cache import KVCache
 from ringserve.kernels import rotary_store_kv, store_kv
-from ringserve.l2_prefetch import L2Prefetcher
 from ringserve.lse_merge import add_sinks
 from ringserve.paged_attention import PagedBatch, paged_attention
 
@@ -28,13 +26,6 @@ class _StepContext:
     tp_all_reduce: Callable[[torch.Tensor], torch.Tensor]  # the sum over tensor-parallel ranks
     experts: Callable  # LocalExperts or ExpertParallel (parallel/ep.py)
     windows: tuple[AttentionWindow, ...] = ()  # per layer (ModelConfig.attention_windows); () all full
-    prefetcher: L2Prefetcher | None = None  # the runner's, on CUDA
-
-    def prefetching(self, weight: torch.Tensor):
-        """A block during which weight is fetched into L2 on a side stream, where that pays."""
-        if self.prefetcher is None:
-            return nullcontext()
-        return self.prefetcher.overlapping(weight, self.slot_mapping.shape[1])
 
     def window(self, layer: int) -> AttentionWindow:
         return self.windows[layer] if self.windows else FULL_ATTENTION

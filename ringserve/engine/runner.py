@@ -10,12 +10,10 @@ from ringserve.engine.forward_context import PagedAttentionContext, RingAttentio
 from ringserve.engine.kv_cache import KVCache
 from ringserve.engine.step_input import StepInput
 from ringserve.engine.step_state import BlockTables, fill_pending_tokens
-from ringserve.l2_prefetch import l2_prefetcher
 from ringserve.model import Transformer
 from ringserve.paged_attention import PagedBatch, decode_splits, tile_queries
 from ringserve.parallel.comm import all_gather_stacked
 from ringserve.parallel.cp import RingAttention, RingStep
-from ringserve.skinny_matmul import MAX_ROWS
 
 
 class ModelRunner:
@@ -66,8 +64,6 @@ class ModelRunner:
         self._zeros = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
         self.host_elements = 0  # host-built index elements, summed over steps (tests count them)
         self.graphs = None  # DecodeGraphs, set by the worker on CUDA unless eager is enforced
-        # o_proj's weight fetched into L2 during decode attention (l2_prefetch.py)
-        self.prefetcher = l2_prefetcher(device, MAX_ROWS)
 
     def keys_read(self, context: int) -> int:
         """The most keys a decode query reads at this context length: the longest window's
@@ -115,7 +111,6 @@ class ModelRunner:
             local_slots=key_slots,
             ring=ring,
             windows=self.model.config.attention_windows,
-            prefetcher=self.prefetcher,
         )
         self.host_elements += (
             step.cp.num_host_elements
@@ -217,7 +212,6 @@ class ModelRunner:
             paged=paged,
             block_tables=self.block_tables.tables,
             windows=self.model.config.attention_windows,
-            prefetcher=self.prefetcher,
         )
 
     def decode_logits(self, input_ids, positions, rows, seq_lens, num_splits: int) -> torch.Tensor:

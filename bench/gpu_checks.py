@@ -223,7 +223,7 @@ def check_skinny_engine():
     a 4-layer Llama of widths where every linear does (hidden 2048), bf16, a prefill and 24
     decode steps (CUDA graphs). Its logits' error against transformers in float32 on the
     same (bf16-rounded) weights must be no larger than the engine's own with cuBLAS for every
-    matmul, nor than transformers' in bf16. (Greedy tokens of graphs against eager are not
+    matmul (transformers' own bf16 error is printed beside them for scale). (Greedy tokens of graphs against eager are not
     compared here: with these random weights the top logits lie closer than bf16's rounding,
     and eager decode splits the keys by the context, graphs by the longest one, so the two
     round differently; bench/gpu_decode_checks.py compares them on the tiny models.)"""
@@ -269,7 +269,7 @@ def check_skinny_engine():
         f"float32: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items())
     )
     assert taken >= 24 * 4 * 4
-    assert errs["skinny"] <= 1.2 * errs["cublas"] and errs["skinny"] <= 1.2 * errs["transformers bf16"]
+    assert errs["skinny"] <= 1.05 * errs["cublas"]
 
 
 MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "llama4", "gpt_oss")

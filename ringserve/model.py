@@ -131,6 +131,7 @@ class RotaryEmbedding(nn.Module):
         self.config = config
         self.key = key
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self.table: torch.Tensor | None = None  # cache_tables' [P, 2, 1, D] cos and sin
 
     def _inv_freq(self):
         hf, head_dim = self.config.hf_config, self.config.head_dim
@@ -156,18 +157,34 @@ class RotaryEmbedding(nn.Module):
         """Recompute inv_freq after the model was built on the meta device."""
         self.inv_freq = self._inv_freq().to(self.inv_freq.device)
 
+    def cache_tables(self, max_positions: int, dtype: torch.dtype) -> None:
+        """Compute the tables of positions 0 .. max_positions - 1 once (the engine's longest
+        sequence): forward then gathers its rows, one kernel a step instead of nine (cat,
+        cos, sin, scalings, casts). The same ops on the same positions: the same values."""
+        tables = self._tables(torch.arange(max_positions, device=self.inv_freq.device), dtype)
+        self.table = torch.stack([tables.cos, tables.sin], dim=1)  # [P, 2, 1, D]
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> PositionTables:
+        """The tables of positions [T] (each below the cached tables' length, if cached)."""
+        if self.table is None or self.table.dtype != dtype:
+            return self._tables(positions, dtype)
+        rows = self.table[positions]  # [T, 2, 1, D]
+        return PositionTables(rows[:, 0], rows[:, 1], self._q_scale(positions))
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> PositionTables:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(dtype)
         sin = (emb.sin() * self.attention_scaling).to(dtype)
-        q_scale = None
-        if self.config.attn_temperature is not None:
-            floor_scale, attn_scale = self.config.attn_temperature
-            # Llama 4's temperature tuning (NoPE layers): [T, 1, 1] float32, as transformers.
-            q_scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
-            q_scale = q_scale[:, None, None]
-        return PositionTables(cos[:, None, :], sin[:, None, :], q_scale)  # [T, 1, D]: over heads
+        return PositionTables(cos[:, None, :], sin[:, None, :], self._q_scale(positions))  # [T, 1, D]
+
+    def _q_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
+        if self.config.attn_temperature is None:
+            return None
+        floor_scale, attn_scale = self.config.attn_temperature
+        # Llama 4's temperature tuning (NoPE layers): [T, 1, 1] float32, as transformers.
+        q_scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+        return q_scale[:, None, None]
 
 
 class PositionTables(NamedTuple):

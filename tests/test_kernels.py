@@ -97,6 +97,18 @@ fields = torch.stack([torch.zeros_like(key), torch.full_like(key, 7), key, key2]
 torch.testing.assert_close(
     S._gumbel_triton(fields[:, 2], fields[:, 3], 3000), S._gumbel_of_hash(h), rtol=1e-6, atol=1e-6
 )
+# argmax per row: chunks reduced in parallel, then the chunks' winners; ties go to the first
+# index (across chunks, across lanes, within a lane), a row of -inf to index 0; rows strided
+vocab = 1000
+x = torch.randn(6, vocab + 8)[:, :vocab]
+x[1, [700, 70]] = 9.0  # a tie across chunks
+x[2, [37, 5]] = 9.0  # across lanes of one chunk
+x[3, [67, 3]] = 9.0  # within one lane (chunk 128, block 64)
+x[4] = float("-inf")
+x[5, -1] = 50.0  # in the last, partial chunk
+for chunk in (64, 128, 4096):
+    got = S._argmax_triton(x, chunk=chunk)
+    assert torch.equal(got, x.argmax(dim=-1)), (chunk, got, x.argmax(dim=-1))
 print("ok")
 """
 

@@ -35,3 +35,24 @@ def test_greedy_tokens_match_transformers(arch, tiny_model_dir):
         assert out.token_ids == hf_greedy(ref_model, prompt, 20)
         assert out.prompt_token_ids == prompt
         assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "llama4"])
+def test_cached_rope_tables_equal_computed_ones(arch, tiny_model_dir):
+    # The engine gathers RoPE tables from ones cached for every position (one kernel a
+    # step); they must equal the per-step computation bit for bit (scaled RoPE, Gemma 3's
+    # two RoPEs, Llama 4's query temperature).
+    from ringserve.config import ModelConfig
+    from ringserve.model import RotaryEmbedding
+
+    config = ModelConfig.from_pretrained(tiny_model_dir(arch))
+    positions = torch.tensor([0, 1, 17, 250, 1023, 5])
+    for key in sorted({config.rope_key(i) for i in range(config.num_hidden_layers)}):
+        rope = RotaryEmbedding(config, key)
+        for dtype in (torch.float32, torch.bfloat16):
+            computed = rope(positions, dtype)
+            rope.cache_tables(1024, dtype)
+            cached = rope(positions, dtype)
+            for a, b in zip(computed, cached):
+                assert (a is None and b is None) or torch.equal(a, b)
+            rope.table = None

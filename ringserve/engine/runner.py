@@ -52,6 +52,8 @@ class ModelRunner:
         self.num_kv_heads = model.shard.num_kv_heads
         self.num_heads = model.shard.num_heads
         self.max_model_len = max_model_len
+        for rotary in model.model.rotary_emb.values():  # every position a sequence can reach
+            rotary.cache_tables(max_model_len, model.model.embed_tokens.weight.dtype)
         bs = kv_cache.block_size
         self.block_tables = BlockTables(
             len(kv_cache.groups.groups), max_rows, -(-max_model_len // bs) + 1, kv_cache.pad_block, device

@@ -17,15 +17,15 @@ variant), captured in one CUDA graph and replayed, at batch 1 and 16:
   norm      qkv and gate_up add the residual and apply the RMSNorm as they load (no norm
             kernel; program 0 writes the new residual stream)
 
-  with --attention, each layer also runs its attention (ringserve's RoPE, KV store, paged
-  kernel and split merge over a 1K context, the splits an engine sized for 128K takes), and:
-  glu+pf-X  glu, and o_proj's weight prefetched into L2 on a side stream while attention
-            runs (the memory is idle then), X the prefetch kernel: asm (prefetch.global.L2
-            per 128-byte line), bulk (cp.async.bulk.prefetch.L2, 4 KiB a thread), load
-            (plain loads kept by a never-taken store); "-late" joins the side stream at the
-            step's end instead of before o_proj
+  with --attention, each layer also runs its attention (ringserve's RoPE + KV store, paged
+  kernel and split merge over a 1K context, the splits an engine sized for 128K takes)
+  with --tma, a sweep per shape of the skinny matmul with its weight tiles loaded through
+  TMA descriptors (warps swept too) against the plain kernel's tile, and:
+  glu+tma   glu, with the other matmuls through the TMA kernel at its best tiles
+  (an L2 prefetch of o_proj's weight on a side stream while attention runs was measured
+  slower at e982a09 and dropped: BENCHMARKS.md; its code is in commit 2327384)
 
-  PYTHONPATH=. python bench/bench_decode_chain.py [--batch 1 16] [--sweep] [--attention]
+  PYTHONPATH=. python bench/bench_decode_chain.py [--batch 1 16] [--sweep] [--attention] [--tma]
 
 Prints each variant's replay time per step and its difference to base, and checks every
 variant's output against base (bf16 rounding differs where the norm is fused).
@@ -41,9 +41,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ringserve import paged_attention as pa
-from ringserve.kernels import add_rms_norm, rotary_qk, silu_mul, store_kv
+from ringserve.kernels import add_rms_norm, rotary_store_kv, silu_mul
 from ringserve.skinny_matmul import skinny_linear
 
 H, INTER, NQKV, V, LAYERS = 4096, 14336, 6144, 128256, 32
@@ -51,89 +52,67 @@ NH, NKV, D, PAGE, CONTEXT = 32, 8, 128, 16, 1024
 
 
 @triton.jit
-def _prefetch_kernel(ptr, n_bytes, sentinel, dummy_ptr, KIND: tl.constexpr, BLOCK: tl.constexpr):
-    # Brings bytes [0, n_bytes) of ptr (uint8) into L2; programs stride over the range.
-    # KIND 0: a prefetch.global.L2 per 128-byte line; 2: loads of every byte, kept alive by a
-    # store that never happens (they hold registers until the data arrives).
-    pid = tl.program_id(0)
-    if KIND == 0:
-        step = tl.num_programs(0) * BLOCK * 128
-        for start in range(pid * BLOCK * 128, n_bytes, step):
-            offs = tl.minimum(start + tl.arange(0, BLOCK) * 128, n_bytes - 1)
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;", "=r,l", [ptr + offs],
-                dtype=tl.int32, is_pure=False, pack=1,
-            )  # fmt: skip
-    else:
-        fptr = ptr.to(tl.pointer_type(tl.float32))
-        n = n_bytes // 4
-        acc = tl.zeros((BLOCK,), tl.float32)
-        for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            acc += tl.load(fptr + offs, mask=offs < n, other=0.0, cache_modifier=".cg")
-        if tl.sum(acc) == sentinel:  # never: keeps the loads
-            tl.store(dummy_ptr + tl.arange(0, BLOCK), acc.to(tl.uint8))
+def _skinny_tma(
+    x_ptr, w_desc, y_ptr, M, N, stride_x, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # The skinny matmul with w's tiles loaded through a TMA descriptor (Hopper's bulk copy
+    # engine: no per-thread addresses, deeper pipelines for the same registers).
+    n0 = tl.program_id(0) * BLOCK_N
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    m_ok = rm[:, None] < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok, other=0.0)
+        acc += tl.dot(x, tl.trans(w_desc.load([n0, k0])))
+    tl.store(
+        y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok & (rn[None, :] < N)
+    )
 
 
-@triton.jit
-def _bulk_prefetch_kernel(ptr, n_chunks, BLOCK: tl.constexpr):
-    # One 4 KiB cp.async.bulk.prefetch.L2 per chunk index; programs stride over chunks.
-    pid = tl.program_id(0)
-    for start in range(pid * BLOCK, n_chunks, tl.num_programs(0) * BLOCK):
-        c = start + tl.arange(0, BLOCK)
-        addr = ptr + c.to(tl.int64) * 4096
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.lt.s32 p, $2, $3; @p cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0; }",
-            "=r,l,r,r", [addr, c, tl.full([BLOCK], 0, tl.int32) + n_chunks],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
+_DESCRIPTORS = {}
 
 
-def prefetch_l2(w: torch.Tensor, kind: str, programs: int = 64) -> None:
-    flat = w.view(-1).view(torch.uint8)
-    if kind == "bulk":
-        _bulk_prefetch_kernel[(programs,)](flat, flat.numel() // 4096, BLOCK=128, num_warps=4)
-        return
-    code, block = {"asm": (0, 512), "load": (2, 4096)}[kind]
-    _prefetch_kernel[(programs,)](flat, flat.numel(), -12345.0, flat, KIND=code, BLOCK=block, num_warps=4)
+def skinny_tma(x, w, cfg):
+    """x @ w^T by _skinny_tma; cfg (BLOCK_N, BLOCK_K, warps, stages). One descriptor per
+    (weight, tile), made once (an engine would make them at load time)."""
+    bn, bk, warps, stages = cfg
+    key = (w.data_ptr(), bn, bk)
+    if key not in _DESCRIPTORS:
+        _DESCRIPTORS[key] = TensorDescriptor.from_tensor(w, block_shape=[bn, bk])
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _skinny_tma[(triton.cdiv(n, bn),)](
+        x, _DESCRIPTORS[key], y, m, n, x.stride(0), K=k, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y
 
 
-def bench_prefetch(w: torch.Tensor) -> None:
-    """Each prefetch kernel alone on a weight (L2 flushed first by a 256 MiB write): its time
-    and the rate it reaches; then a skinny matmul over that weight right after it."""
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=w.device)
-    x = torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype)
-    plan = (32, 512, 4)
-    for kind, programs in itertools.product(("asm", "bulk", "load"), (32, 66, 132)):
-        times = {}
-        try:
-            prefetch_l2(w, kind, programs)
-        except Exception as e:
-            print(f"prefetch {kind}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
+def sweep_tma(m, name, ws, k, plain_best):
+    """The TMA kernel's fastest cfg over ws (warps swept too), against the plain skinny's best."""
+    x = torch.randn(m, k, device=ws[0].device, dtype=ws[0].dtype)
+    results = []
+    for cfg in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 5)):
+        if cfg[0] * cfg[1] * 2 * cfg[3] > 200_000 or k % cfg[1]:
             continue
-        for what in ("prefetch", "matmul cold", "matmul after"):
-            ts = []
-            for _ in range(10):
-                flush.fill_(1)
-                start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-                start.record()
-                if what != "matmul cold":
-                    prefetch_l2(w, kind, programs)
-                mid.record()
-                if what != "prefetch":
-                    skinny_linear(x, w, None, plan)
-                end.record()
-                torch.cuda.synchronize()
-                ts.append(
-                    mid.elapsed_time(end) * 1000 if what != "prefetch" else start.elapsed_time(mid) * 1000
-                )
-            times[what] = sorted(ts)[len(ts) // 2]
-        print(
-            f"prefetch {kind:4s} x{programs:3d}: {times['prefetch']:6.1f} us "
-            f"({w.numel() * w.element_size() / times['prefetch'] / 1e6:5.2f} TB/s); o_proj matmul "
-            f"cold {times['matmul cold']:5.1f} us, after the prefetch {times['matmul after']:5.1f} us",
-            flush=True,
-        )
+        try:
+            t, _ = graph_ms(lambda cfg=cfg: [skinny_tma(x, w, cfg) for w in ws], reps=20)
+        except Exception as e:  # out of shared memory, no TMA, etc.
+            print(f"  tma {name} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            continue
+        results.append((t * 1000 / len(ws), cfg))
+    results.sort()
+    t_plain, _ = graph_ms(lambda: [skinny(x, w, plain_best[0], block_m=plain_best[1]) for w in ws], reps=20)
+    print(
+        f"M={m:2d} {name:5s} TMA best {results[0][0]:6.1f} us {results[0][1]} | plain skinny "
+        f"{t_plain * 1000 / len(ws):6.1f} us {plain_best[0]} | next {[(round(t, 1), c) for t, c in results[1:4]]}",
+        flush=True,
+    )
+    return results[0][1]
 
 
 @triton.jit
@@ -279,8 +258,7 @@ def attention_stand_in(m: int, device, dtype):
         q = qkv[:, : NH * D].view(m, NH, D)
         k = qkv[:, NH * D : (NH + NKV) * D].view(m, NKV, D)
         v = qkv[:, (NH + NKV) * D :].view(m, NKV, D)
-        q, k = rotary_qk(q, k, cos, sin)
-        store_kv(k, v, *caches[i], slots)
+        q, _ = rotary_store_kv(q, k, v, cos, sin, *caches[i], slots)
         out, _ = pa.paged_attention(q, *caches[i], tables, paged, PAGE, D**-0.5)
         return out.view(m, H)
 
@@ -423,27 +401,26 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
 
     glu_plan = sweep_glu(m, [layer["gu"] for layer in layers])
     attend = attention_stand_in(m, dev, dt) if args.attention else (lambda i, qkv: qkv[:, :H])
-    if args.attention and m == args.batch[0]:
-        bench_prefetch(layers[0]["o"])
-    side = torch.cuda.Stream()
+    tma_best = {}
+    if args.tma:
+        for name, (_n, k) in shapes.items():
+            ws = [layer[name] for layer in layers] if name != "lm" else [lm_head]
+            tma_best[name] = sweep_tma(m, name, ws, k, best[name, 0])
 
     def chain(kind: str):
         if kind == "normepi":
             return norm_epilogue_chain(x0, layers, lm_head, final_ln, best, attend)
-        prefetch = kind.split("+pf-")[1] if "+pf-" in kind else None
-        late = prefetch is not None and prefetch.endswith("-late")
-        if late:
-            prefetch = prefetch.removesuffix("-late")
 
         def lin(x, name, w, prologue=0, **kw):
             if kind == "base":
                 return F.linear(x, w)
+            if kind == "glu+tma" and prologue == 0:
+                return skinny_tma(x, w, tma_best[name])
             cfg, block_m = best[name, prologue]
             return skinny(x, w, cfg, prologue, block_m=block_m, **kw)
 
         def run():
             x, residual = x0, torch.zeros_like(x0)
-            main = torch.cuda.current_stream()
             for i, layer in enumerate(layers):
                 if kind in ("base", "skinny", "silu") or kind.startswith("glu"):
                     h, residual = add_rms_norm(x, residual, layer["ln1"], 1e-5)
@@ -452,14 +429,7 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
                     new_res = torch.empty_like(x)
                     qkv = lin(x, "qkv", layer["qkv"], 1, res=residual, nw=layer["ln1"], res_out=new_res)
                     residual = new_res
-                if prefetch:  # o_proj's weight into L2 while attention runs
-                    side.wait_stream(main)
-                    with torch.cuda.stream(side):
-                        prefetch_l2(layer["o"], prefetch)
-                a = attend(i, qkv)
-                if prefetch and not late:
-                    main.wait_stream(side)
-                a = lin(a, "o", layer["o"])
+                a = lin(attend(i, qkv), "o", layer["o"])
                 if kind.startswith("glu"):
                     h, residual = add_rms_norm(a, residual, layer["ln2"], 1e-5)
                 elif kind in ("base", "skinny", "silu"):
@@ -476,8 +446,6 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
                 else:
                     x = lin(gu, "down", layer["down"], 2)
             h, _ = add_rms_norm(x, residual, final_ln, 1e-5)
-            if prefetch:
-                main.wait_stream(side)
             return lin(h, "lm", lm_head)
 
         return run
@@ -485,8 +453,8 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
     outs = {}
     base_ms = None
     kinds = ["base", "skinny", "glu", "normepi"] + (["silu", "norm"] if args.sweep else [])
-    if args.attention:
-        kinds += ["glu+pf-asm", "glu+pf-bulk", "glu+pf-load", "glu+pf-asm-late", "glu+pf-bulk-late"]
+    if args.tma:
+        kinds += ["glu+tma"]
     for kind in kinds:
         fn = chain(kind)
         try:
@@ -510,8 +478,9 @@ def main():
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--sweep", action="store_true", help="sweep tiles, and run the prologue variants")
     parser.add_argument(
-        "--attention", action="store_true", help="attention in each layer; L2 prefetch variants"
+        "--attention", action="store_true", help="attention in each layer, as the engine runs it"
     )
+    parser.add_argument("--tma", action="store_true", help="sweep and chain the TMA-descriptor skinny matmul")
     args = parser.parse_args()
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16

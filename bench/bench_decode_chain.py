@@ -9,7 +9,7 @@ variant), captured in one CUDA graph and replayed, at batch 1 and 16:
             and adds its columns' sum of squares to the row's (atomics); one memset a step
   glu       skinny, with gate/up's SiLU-mul in its epilogue (ringserve.skinny_matmul's
             gated_linear: no SiLU-mul kernel, no [M, 2I] round trip); tiles swept first
-  (normepi and glu are measured apart: together, the gated epilogue would scale by rstd too)
+  normepi+glu  both: gate/up's gated epilogue scales by rstd, then applies SiLU-mul
   (programmatic dependent launch of these kernels was measured slower at 8a52eca and
   dropped: BENCHMARKS.md)
   with --sweep, first a sweep of tiles per shape (else the tiles found at 75c910a), and:
@@ -188,10 +188,11 @@ def _skinny(
 @triton.jit
 def _skinny_epi(
     x_ptr, w_ptr, y_ptr, res_ptr, sq_in_ptr, sq_out_ptr, M, N, stride_x, eps, K: tl.constexpr,
-    RSTD: tl.constexpr, RESIDUAL: tl.constexpr,
+    RSTD: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # The norm moved into epilogues, nothing on x's load path:
+    # The norm moved into epilogues, nothing on x's load path (GATED: w is [2N, K], gate
+    # rows then up rows, and y = silu(gate) * up, both scaled by rstd first):
     #   RSTD: x is the residual stream and w has the RMSNorm weight folded in (w * nw), so
     #         norm(x) @ w^T = (x @ (w * nw)^T) * rstd, rstd = rsqrt(sq_in[m] / K + eps);
     #   RESIDUAL: y = x @ w^T + res, rounded, stored, and sum(y^2) over this program's
@@ -203,13 +204,22 @@ def _skinny_epi(
     m_ok = rm < M
     n_ok = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
         acc += tl.dot(x, tl.trans(w))
+        if GATED:
+            w_up = tl.load(w_ptr + (N + rn)[:, None] * K + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
+            acc_up += tl.dot(x, tl.trans(w_up))
     if RSTD:
         sq = tl.load(sq_in_ptr + rm, mask=m_ok, other=0.0)
         acc *= tl.rsqrt(sq / K + eps)[:, None]
+        acc_up *= tl.rsqrt(sq / K + eps)[:, None]
+    if GATED:
+        gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
+        acc = act * acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
     ok = m_ok[:, None] & n_ok[None, :]
     if RESIDUAL:
         acc += tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -220,15 +230,16 @@ def _skinny_epi(
         tl.atomic_add(sq_out_ptr + rm, tl.sum(yf * yf, axis=1), mask=m_ok)
 
 
-def skinny_epi(x, w, cfg, rstd_from=None, res=None, sq_out=None, eps=1e-5):
+def skinny_epi(x, w, cfg, rstd_from=None, res=None, sq_out=None, eps=1e-5, gated=False):
     m = x.shape[0]
     n, k = w.shape
+    n = n // 2 if gated else n
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = cfg
     _skinny_epi[(triton.cdiv(n, bn),)](
         x, w, y, res if res is not None else y, rstd_from if rstd_from is not None else y,
         sq_out if sq_out is not None else y, m, n, x.stride(0), eps, K=k, RSTD=rstd_from is not None,
-        RESIDUAL=res is not None, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        RESIDUAL=res is not None, GATED=gated, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
 
@@ -265,7 +276,7 @@ def attention_stand_in(m: int, device, dtype):
     return attend
 
 
-def norm_epilogue_chain(x0, layers, lm_head, final_ln, best, attend):
+def norm_epilogue_chain(x0, layers, lm_head, final_ln, best, attend, glu_cfg=None):
     """The chain with every RMSNorm in epilogues (kind "normepi"): norm weights folded into
     the next matmul's weight, one memset of the per-layer sums of squares per step."""
     folded = [
@@ -285,8 +296,11 @@ def norm_epilogue_chain(x0, layers, lm_head, final_ln, best, attend):
         for i, (layer, f) in enumerate(zip(layers, folded)):
             qkv = skinny_epi(h, f["qkv"], cfg("qkv"), rstd_from=sums[2 * i])
             h = skinny_epi(attend(i, qkv), layer["o"], cfg("o"), res=h, sq_out=sums[2 * i + 1])
-            gu = skinny_epi(h, f["gu"], cfg("gu"), rstd_from=sums[2 * i + 1])
-            h = skinny_epi(silu_mul(gu), layer["down"], cfg("down"), res=h, sq_out=sums[2 * i + 2])
+            if glu_cfg is None:
+                act = silu_mul(skinny_epi(h, f["gu"], cfg("gu"), rstd_from=sums[2 * i + 1]))
+            else:  # normepi+glu: the gated epilogue scales by rstd first
+                act = skinny_epi(h, f["gu"], glu_cfg, rstd_from=sums[2 * i + 1], gated=True)
+            h = skinny_epi(act, layer["down"], cfg("down"), res=h, sq_out=sums[2 * i + 2])
         return skinny_epi(h, lm_folded, cfg("lm"), rstd_from=sums[-1])
 
     return run
@@ -408,8 +422,9 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
             tma_best[name] = sweep_tma(m, name, ws, k, best[name, 0])
 
     def chain(kind: str):
-        if kind == "normepi":
-            return norm_epilogue_chain(x0, layers, lm_head, final_ln, best, attend)
+        if kind.startswith("normepi"):
+            glu_cfg = (glu_plan[0], glu_plan[1], 4, glu_plan[2]) if kind == "normepi+glu" else None
+            return norm_epilogue_chain(x0, layers, lm_head, final_ln, best, attend, glu_cfg)
 
         def lin(x, name, w, prologue=0, **kw):
             if kind == "base":
@@ -452,7 +467,7 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
 
     outs = {}
     base_ms = None
-    kinds = ["base", "skinny", "glu", "normepi"] + (["silu", "norm"] if args.sweep else [])
+    kinds = ["base", "skinny", "glu", "normepi", "normepi+glu"] + (["silu", "norm"] if args.sweep else [])
     if args.tma:
         kinds += ["glu+tma"]
     for kind in kinds:

@@ -157,12 +157,22 @@ class RotaryEmbedding(nn.Module):
         """Recompute inv_freq after the model was built on the meta device."""
         self.inv_freq = self._inv_freq().to(self.inv_freq.device)
 
-    def cache_tables(self, max_positions: int, dtype: torch.dtype) -> None:
+    # The most memory the cached tables may take: 128K positions of 128-wide heads in bf16
+    # take 64 MiB; Llama 4 Scout's 10M positions would take 5 GiB, and compute per step.
+    MAX_TABLE_BYTES = 128 << 20
+
+    def cache_tables(self, max_positions: int, dtype: torch.dtype) -> bool:
         """Compute the tables of positions 0 .. max_positions - 1 once (the engine's longest
         sequence): forward then gathers its rows, one kernel a step instead of nine (cat,
-        cos, sin, scalings, casts). The same ops on the same positions: the same values."""
+        cos, sin, scalings, casts). The same ops on the same positions: the same values.
+        Returns False, caching nothing, where they would exceed MAX_TABLE_BYTES."""
+        table_bytes = max_positions * 2 * self.config.head_dim * torch.finfo(dtype).bits // 8
+        if table_bytes > self.MAX_TABLE_BYTES:
+            self.table = None
+            return False
         tables = self._tables(torch.arange(max_positions, device=self.inv_freq.device), dtype)
         self.table = torch.stack([tables.cos, tables.sin], dim=1)  # [P, 2, 1, D]
+        return True
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> PositionTables:
         """The tables of positions [T] (each below the cached tables' length, if cached)."""

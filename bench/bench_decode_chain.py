@@ -45,7 +45,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ringserve import paged_attention as pa
 from ringserve.kernels import add_rms_norm, rotary_store_kv, silu_mul
-from ringserve.skinny_matmul import skinny_linear
+from ringserve.skinny_matmul import gated_activation, skinny_linear, stream_weights
 
 H, INTER, NQKV, V, LAYERS = 4096, 14336, 6144, 128256, 32
 NH, NKV, D, PAGE, CONTEXT = 32, 8, 128, 16, 1024
@@ -197,29 +197,21 @@ def _skinny_epi(
     #         norm(x) @ w^T = (x @ (w * nw)^T) * rstd, rstd = rsqrt(sq_in[m] / K + eps);
     #   RESIDUAL: y = x @ w^T + res, rounded, stored, and sum(y^2) over this program's
     #         columns added to sq_out[m] (the next norm's sum of squares, by atomics).
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok[:, None], other=0.0)
-        w = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-        if GATED:
-            w_up = tl.load(w_ptr + (N + rn)[:, None] * K + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
-            acc_up += tl.dot(x, tl.trans(w_up))
+    w_rows = w_ptr + rn[:, None] * K
+    acc, acc_up = stream_weights(
+        x_ptr, w_rows, w_rows + N * K, stride_x, rm, tl.arange(0, BLOCK_K), m_ok[:, None], n_ok, K, GATED,
+        BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     if RSTD:
-        sq = tl.load(sq_in_ptr + rm, mask=m_ok, other=0.0)
-        acc *= tl.rsqrt(sq / K + eps)[:, None]
-        acc_up *= tl.rsqrt(sq / K + eps)[:, None]
-    if GATED:
-        gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
-        acc = act * acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
+        rstd = tl.rsqrt(tl.load(sq_in_ptr + rm, mask=m_ok, other=0.0) / K + eps)[:, None]
+        acc *= rstd
+        acc_up *= rstd
+    if GATED:  # SiLU-mul
+        acc = gated_activation(acc, acc_up, y_ptr.dtype.element_ty, 1)
     ok = m_ok[:, None] & n_ok[None, :]
     if RESIDUAL:
         acc += tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -434,29 +426,26 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
             cfg, block_m = best[name, prologue]
             return skinny(x, w, cfg, prologue, block_m=block_m, **kw)
 
+        def normed(x, residual, ln, name, w):
+            """(w applied to norm(x + residual), x + residual): the norm a kernel, or in the
+            matmul's prologue (kind "norm")."""
+            if kind == "norm":
+                new_res = torch.empty_like(x)
+                return lin(x, name, w, 1, res=residual, nw=ln, res_out=new_res), new_res
+            h, residual = add_rms_norm(x, residual, ln, 1e-5)
+            return lin(h, name, w), residual
+
         def run():
             x, residual = x0, torch.zeros_like(x0)
             for i, layer in enumerate(layers):
-                if kind in ("base", "skinny", "silu") or kind.startswith("glu"):
-                    h, residual = add_rms_norm(x, residual, layer["ln1"], 1e-5)
-                    qkv = lin(h, "qkv", layer["qkv"])
-                else:
-                    new_res = torch.empty_like(x)
-                    qkv = lin(x, "qkv", layer["qkv"], 1, res=residual, nw=layer["ln1"], res_out=new_res)
-                    residual = new_res
+                qkv, residual = normed(x, residual, layer["ln1"], "qkv", layer["qkv"])
                 a = lin(attend(i, qkv), "o", layer["o"])
                 if kind.startswith("glu"):
                     h, residual = add_rms_norm(a, residual, layer["ln2"], 1e-5)
-                elif kind in ("base", "skinny", "silu"):
-                    h, residual = add_rms_norm(a, residual, layer["ln2"], 1e-5)
-                    gu = lin(h, "gu", layer["gu"])
-                else:
-                    new_res = torch.empty_like(x)
-                    gu = lin(a, "gu", layer["gu"], 1, res=residual, nw=layer["ln2"], res_out=new_res)
-                    residual = new_res
-                if kind.startswith("glu"):
                     x = lin(skinny_linear(h, layer["gu"], None, glu_plan, "silu"), "down", layer["down"])
-                elif kind in ("base", "skinny"):
+                    continue
+                gu, residual = normed(a, residual, layer["ln2"], "gu", layer["gu"])
+                if kind in ("base", "skinny"):
                     x = lin(silu_mul(gu), "down", layer["down"])
                 else:
                     x = lin(gu, "down", layer["down"], 2)

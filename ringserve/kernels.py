@@ -52,7 +52,7 @@ def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots):
     store_kv): on CUDA one launch for the layer's RoPE and KV write. Returns (q, k) rotated."""
     if _use_triton(q):
         return _rotary_triton(q, k, cos, sin, (v, k_cache, v_cache, slots))
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    q, k = rotary_qk(q, k, cos, sin)
     store_kv(k, v, k_cache, v_cache, slots)
     return q, k
 

@@ -113,44 +113,59 @@ def skinny_linear(
 if triton is not None:
 
     @triton.jit
-    def _skinny_kernel(
-        x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_x, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-        ACT: tl.constexpr,  # 0: y = x @ w^T; 1 silu, 2 gelu (tanh): y = act(x @ gate^T) * x @ up^T
+    def stream_weights(
+        x_ptr, w_rows, up_rows, stride_x, rm, rk, m_ok, n_ok, K: tl.constexpr, GATED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        # y[M, N] = x[M, K] @ w[N, K]^T: program p owns columns p * BLOCK_N ..; its [BLOCK_N,
-        # BLOCK_K] tiles of w are read once, pipelined over K (a constexpr: K % BLOCK_K == 0),
-        # against x's rows padded to BLOCK_M (masked loads; x is tiny and stays in L2).
-        # With ACT, w is [2N, K]: the program also reads the up rows N + its columns.
-        pid = tl.program_id(0)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
-        m_ok = rm[:, None] < M
-        n_ok = rn < N
-        w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # int64: the LM head passes 2^31 elements
-        up_rows = w_rows + N * K
+        """(x @ w^T, x @ up^T) [BLOCK_M, BLOCK_N] float32 for one program's weight rows
+        (w_rows, and up_rows when GATED: pointers [BLOCK_N, 1]), read once over all of K
+        (K % BLOCK_K == 0) against x's rows padded to BLOCK_M (masked; x stays in L2)."""
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok, other=0.0)
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
             acc += tl.dot(x, tl.trans(w))
-            if ACT != 0:
+            if GATED:
                 w_up = tl.load(up_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
                 acc_up += tl.dot(x, tl.trans(w_up))
+        return acc, acc_up
+
+    @triton.jit
+    def gated_activation(gate_acc, up_acc, dt: tl.constexpr, ACT: tl.constexpr):
+        """act(gate) * up in float32 (ACT 1: silu, 2: gelu with tanh), rounded to dt where HF
+        rounds: each projection, the activation, the product (the caller's store)."""
+        gate = gate_acc.to(dt).to(tl.float32)
+        if ACT == 1:
+            act = gate / (1.0 + tl.exp(-gate))
+        else:  # 0.5 g (1 + tanh(u)), tanh(u) = 1 - 2 / (1 + e^(2u))
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            act = 0.5 * gate * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * inner)))
+        return act.to(dt).to(tl.float32) * up_acc.to(dt).to(tl.float32)
+
+    @triton.jit
+    def _skinny_kernel(
+        x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_x, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+        ACT: tl.constexpr,  # 0: y = x @ w^T; 1 silu, 2 gelu (tanh): y = act(x @ gate^T) * x @ up^T
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # y[M, N] = x[M, K] @ w[N, K]^T: program p owns columns p * BLOCK_N .., its [BLOCK_N,
+        # BLOCK_K] tiles of w pipelined over K. With ACT, w is [2N, K]: the program also
+        # reads the up rows N + its columns.
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        m_ok = rm[:, None] < M
+        n_ok = rn < N
+        w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # int64: the LM head passes 2^31 elements
+        acc, acc_up = stream_weights(
+            x_ptr, w_rows, w_rows + N * K, stride_x, rm, tl.arange(0, BLOCK_K), m_ok, n_ok, K, ACT != 0,
+            BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if ACT != 0:
-            # Rounded where HF rounds: each projection, the activation, the product.
-            dt = y_ptr.dtype.element_ty
-            gate = acc.to(dt).to(tl.float32)
-            if ACT == 1:
-                act = gate / (1.0 + tl.exp(-gate))
-            else:  # 0.5 g (1 + tanh(u)), tanh(u) = 1 - 2 / (1 + e^(2u))
-                inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-                act = 0.5 * gate * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * inner)))
-            acc = act.to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
+            acc = gated_activation(acc, acc_up, y_ptr.dtype.element_ty, ACT)
         tl.store(
             y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_ok[None, :]
         )

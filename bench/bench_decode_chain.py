@@ -24,6 +24,13 @@ variant), captured in one CUDA graph and replayed, at batch 1 and 16:
   glu+tma   glu, with the other matmuls through the TMA kernel at its best tiles
   (an L2 prefetch of o_proj's weight on a side stream while attention runs was measured
   slower at e982a09 and dropped: BENCHMARKS.md; its code is in commit 2327384)
+  engine    the engine's own functions (ringserve.kernels, skinny_matmul, paged_attention),
+            every kernel launched with programmatic dependent launch (ringserve.pdl)
+  engine-nopdl  the same without PDL
+  normepi+glu+pdl  normepi+glu with its matmuls launched with PDL too
+  (PDL with the skinny matmul letting the next kernel launch only after its weight stream,
+  or prefetching its first 1-2 weight tiles into L2 before waiting, was measured slower at
+  fbd8e05 and dropped: BENCHMARKS.md)
 
   PYTHONPATH=. python bench/bench_decode_chain.py [--batch 1 16] [--sweep] [--attention] [--tma]
 
@@ -45,7 +52,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ringserve import paged_attention as pa
 from ringserve.kernels import add_rms_norm, rotary_store_kv, silu_mul
-from ringserve.skinny_matmul import gated_activation, skinny_linear, stream_weights
+from ringserve.pdl import launch_options, wait_for_previous
+from ringserve.skinny_matmul import gated_activation, skinny_linear, skinny_plan, stream_weights
 
 H, INTER, NQKV, V, LAYERS = 4096, 14336, 6144, 128256, 32
 NH, NKV, D, PAGE, CONTEXT = 32, 8, 128, 16, 1024
@@ -189,7 +197,7 @@ def _skinny(
 def _skinny_epi(
     x_ptr, w_ptr, y_ptr, res_ptr, sq_in_ptr, sq_out_ptr, M, N, stride_x, eps, K: tl.constexpr,
     RSTD: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # The norm moved into epilogues, nothing on x's load path (GATED: w is [2N, K], gate
     # rows then up rows, and y = silu(gate) * up, both scaled by rstd first):
@@ -197,6 +205,7 @@ def _skinny_epi(
     #         norm(x) @ w^T = (x @ (w * nw)^T) * rstd, rstd = rsqrt(sq_in[m] / K + eps);
     #   RESIDUAL: y = x @ w^T + res, rounded, stored, and sum(y^2) over this program's
     #         columns added to sq_out[m] (the next norm's sum of squares, by atomics).
+    wait_for_previous(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
@@ -222,7 +231,7 @@ def _skinny_epi(
         tl.atomic_add(sq_out_ptr + rm, tl.sum(yf * yf, axis=1), mask=m_ok)
 
 
-def skinny_epi(x, w, cfg, rstd_from=None, res=None, sq_out=None, eps=1e-5, gated=False):
+def skinny_epi(x, w, cfg, rstd_from=None, res=None, sq_out=None, eps=1e-5, gated=False, pdl=False):
     m = x.shape[0]
     n, k = w.shape
     n = n // 2 if gated else n
@@ -231,7 +240,8 @@ def skinny_epi(x, w, cfg, rstd_from=None, res=None, sq_out=None, eps=1e-5, gated
     _skinny_epi[(triton.cdiv(n, bn),)](
         x, w, y, res if res is not None else y, rstd_from if rstd_from is not None else y,
         sq_out if sq_out is not None else y, m, n, x.stride(0), eps, K=k, RSTD=rstd_from is not None,
-        RESIDUAL=res is not None, GATED=gated, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        RESIDUAL=res is not None, GATED=gated, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, num_warps=warps,
+        num_stages=stages, **launch_options(x, pdl),
     )  # fmt: skip
     return y
 
@@ -257,18 +267,18 @@ def attention_stand_in(m: int, device, dtype):
     cos, sin = torch.cat([angle.cos()] * 2, -1).to(dtype), torch.cat([angle.sin()] * 2, -1).to(dtype)
     print(f"M={m:2d} attention: {splits} splits", flush=True)
 
-    def attend(i, qkv):
+    def attend(i, qkv, pdl=False):
         q = qkv[:, : NH * D].view(m, NH, D)
         k = qkv[:, NH * D : (NH + NKV) * D].view(m, NKV, D)
         v = qkv[:, (NH + NKV) * D :].view(m, NKV, D)
-        q, _ = rotary_store_kv(q, k, v, cos, sin, *caches[i], slots)
-        out, _ = pa.paged_attention(q, *caches[i], tables, paged, PAGE, D**-0.5)
+        q, _ = rotary_store_kv(q, k, v, cos, sin, *caches[i], slots, pdl=pdl)
+        out, _ = pa.paged_attention(q, *caches[i], tables, paged, PAGE, D**-0.5, pdl=pdl)
         return out.view(m, H)
 
     return attend
 
 
-def norm_epilogue_chain(x0, layers, lm_head, final_ln, best, attend, glu_cfg=None):
+def norm_epilogue_chain(x0, layers, lm_head, final_ln, best, attend, glu_cfg=None, pdl=False):
     """The chain with every RMSNorm in epilogues (kind "normepi"): norm weights folded into
     the next matmul's weight, one memset of the per-layer sums of squares per step."""
     folded = [
@@ -286,14 +296,36 @@ def norm_epilogue_chain(x0, layers, lm_head, final_ln, best, attend, glu_cfg=Non
         sums[0] = x0.float().pow(2).sum(-1)
         h = x0
         for i, (layer, f) in enumerate(zip(layers, folded)):
-            qkv = skinny_epi(h, f["qkv"], cfg("qkv"), rstd_from=sums[2 * i])
-            h = skinny_epi(attend(i, qkv), layer["o"], cfg("o"), res=h, sq_out=sums[2 * i + 1])
+            qkv = skinny_epi(h, f["qkv"], cfg("qkv"), rstd_from=sums[2 * i], pdl=pdl)
+            h = skinny_epi(
+                attend(i, qkv, pdl=pdl), layer["o"], cfg("o"), res=h, sq_out=sums[2 * i + 1], pdl=pdl
+            )
             if glu_cfg is None:
                 act = silu_mul(skinny_epi(h, f["gu"], cfg("gu"), rstd_from=sums[2 * i + 1]))
             else:  # normepi+glu: the gated epilogue scales by rstd first
-                act = skinny_epi(h, f["gu"], glu_cfg, rstd_from=sums[2 * i + 1], gated=True)
-            h = skinny_epi(act, layer["down"], cfg("down"), res=h, sq_out=sums[2 * i + 2])
-        return skinny_epi(h, lm_folded, cfg("lm"), rstd_from=sums[-1])
+                act = skinny_epi(h, f["gu"], glu_cfg, rstd_from=sums[2 * i + 1], gated=True, pdl=pdl)
+            h = skinny_epi(act, layer["down"], cfg("down"), res=h, sq_out=sums[2 * i + 2], pdl=pdl)
+        return skinny_epi(h, lm_folded, cfg("lm"), rstd_from=sums[-1], pdl=pdl)
+
+    return run
+
+
+def engine_chain(x0, layers, lm_head, final_ln, attend, pdl):
+    """The chain through the engine's own functions (kinds "engine", "engine-nopdl")."""
+
+    def lin(x, w, activation=None):
+        plan = skinny_plan(x, w, gated=activation is not None)
+        return skinny_linear(x, w, None, plan, activation, pdl=pdl)
+
+    def run():
+        x, residual = x0, torch.zeros_like(x0)
+        for i, layer in enumerate(layers):
+            h, residual = add_rms_norm(x, residual, layer["ln1"], 1e-5, pdl=pdl)
+            a = lin(attend(i, lin(h, layer["qkv"]), pdl=pdl), layer["o"])
+            h, residual = add_rms_norm(a, residual, layer["ln2"], 1e-5, pdl=pdl)
+            x = lin(lin(h, layer["gu"], "silu"), layer["down"])
+        h, _ = add_rms_norm(x, residual, final_ln, 1e-5, pdl=pdl)
+        return lin(h, lm_head)
 
     return run
 
@@ -319,7 +351,9 @@ def sweep_glu(m, ws):
         if plan[0] * plan[1] * 4 * plan[2] > 200_000:
             continue
         try:
-            t, _ = graph_ms(lambda plan=plan: [skinny_linear(x, w, None, plan, "silu") for w in ws], reps=20)
+            t, _ = graph_ms(
+                lambda plan=plan: [skinny_linear(x, w, None, plan, "silu", pdl=False) for w in ws], reps=20
+            )
         except Exception as e:
             print(f"  glu {plan}: {type(e).__name__}", flush=True)
             continue
@@ -406,7 +440,7 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
             best[name, prologue] = sweep(m, name, ws, k, prologue, configs)
 
     glu_plan = sweep_glu(m, [layer["gu"] for layer in layers])
-    attend = attention_stand_in(m, dev, dt) if args.attention else (lambda i, qkv: qkv[:, :H])
+    attend = attention_stand_in(m, dev, dt) if args.attention else (lambda i, qkv, pdl=False: qkv[:, :H])
     tma_best = {}
     if args.tma:
         for name, (_n, k) in shapes.items():
@@ -414,9 +448,13 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
             tma_best[name] = sweep_tma(m, name, ws, k, best[name, 0])
 
     def chain(kind: str):
+        if kind.startswith("engine"):
+            return engine_chain(x0, layers, lm_head, final_ln, attend, kind == "engine")
         if kind.startswith("normepi"):
-            glu_cfg = (glu_plan[0], glu_plan[1], 4, glu_plan[2]) if kind == "normepi+glu" else None
-            return norm_epilogue_chain(x0, layers, lm_head, final_ln, best, attend, glu_cfg)
+            glu_cfg = (glu_plan[0], glu_plan[1], 4, glu_plan[2]) if "+glu" in kind else None
+            return norm_epilogue_chain(
+                x0, layers, lm_head, final_ln, best, attend, glu_cfg, kind.endswith("+pdl")
+            )
 
         def lin(x, name, w, prologue=0, **kw):
             if kind == "base":
@@ -432,7 +470,7 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
             if kind == "norm":
                 new_res = torch.empty_like(x)
                 return lin(x, name, w, 1, res=residual, nw=ln, res_out=new_res), new_res
-            h, residual = add_rms_norm(x, residual, ln, 1e-5)
+            h, residual = add_rms_norm(x, residual, ln, 1e-5, pdl=False)
             return lin(h, name, w), residual
 
         def run():
@@ -441,15 +479,19 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
                 qkv, residual = normed(x, residual, layer["ln1"], "qkv", layer["qkv"])
                 a = lin(attend(i, qkv), "o", layer["o"])
                 if kind.startswith("glu"):
-                    h, residual = add_rms_norm(a, residual, layer["ln2"], 1e-5)
-                    x = lin(skinny_linear(h, layer["gu"], None, glu_plan, "silu"), "down", layer["down"])
+                    h, residual = add_rms_norm(a, residual, layer["ln2"], 1e-5, pdl=False)
+                    x = lin(
+                        skinny_linear(h, layer["gu"], None, glu_plan, "silu", pdl=False),
+                        "down",
+                        layer["down"],
+                    )
                     continue
                 gu, residual = normed(a, residual, layer["ln2"], "gu", layer["gu"])
                 if kind in ("base", "skinny"):
                     x = lin(silu_mul(gu), "down", layer["down"])
                 else:
                     x = lin(gu, "down", layer["down"], 2)
-            h, _ = add_rms_norm(x, residual, final_ln, 1e-5)
+            h, _ = add_rms_norm(x, residual, final_ln, 1e-5, pdl=False)
             return lin(h, "lm", lm_head)
 
         return run
@@ -457,6 +499,7 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
     outs = {}
     base_ms = None
     kinds = ["base", "skinny", "glu", "normepi", "normepi+glu"] + (["silu", "norm"] if args.sweep else [])
+    kinds += ["engine-nopdl", "engine", "normepi+glu+pdl"]
     if args.tma:
         kinds += ["glu+tma"]
     for kind in kinds:

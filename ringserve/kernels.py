@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import torch
 
+from ringserve.pdl import launch_options
+
 try:
     import triton
     import triton.language as tl
+
+    from ringserve.pdl import wait_for_previous
 except ImportError:  # CPU builds of torch come without Triton
     triton = None
 
@@ -23,18 +27,19 @@ def _use_triton(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x ([..., C]; any strides but the last)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = True) -> torch.Tensor:
+    """RMSNorm over the last dim of x ([..., C]; any strides but the last). pdl: launched
+    with programmatic dependent launch where the GPU has it (ringserve.pdl), here and below."""
     if _use_triton(x):
-        return _rms_norm_triton(x, None, weight, eps)[0]
+        return _rms_norm_triton(x, None, weight, eps, pdl)[0]
     return _rms_norm_torch(x, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = True):
     """(rms_norm(x + residual), x + residual) for x, residual [T, C]; the sum is rounded to
     x's dtype before it is normalised, as in HF's `hidden = residual + hidden; norm(hidden)`."""
     if _use_triton(x):
-        return _rms_norm_triton(x, residual, weight, eps)
+        return _rms_norm_triton(x, residual, weight, eps, pdl)
     total = residual + x
     return _rms_norm_torch(total, weight, eps), total
 
@@ -47,11 +52,11 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots):
+def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots, pdl: bool = True):
     """rotary_qk(q, k, cos, sin), and the rotated k with v stored to the cache at slots (as
     store_kv): on CUDA one launch for the layer's RoPE and KV write. Returns (q, k) rotated."""
     if _use_triton(q):
-        return _rotary_triton(q, k, cos, sin, (v, k_cache, v_cache, slots))
+        return _rotary_triton(q, k, cos, sin, (v, k_cache, v_cache, slots), pdl)
     q, k = rotary_qk(q, k, cos, sin)
     store_kv(k, v, k_cache, v_cache, slots)
     return q, k
@@ -133,7 +138,7 @@ def _num_warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
-def _rms_norm_triton(x, residual, weight, eps):
+def _rms_norm_triton(x, residual, weight, eps, pdl=True):
     """x [T, C] or [T, heads, C], read in place at its strides (q_norm reads the heads
     straight out of the fused qkv output); residual [T, C]. Outputs are contiguous."""
     shape, cols = x.shape, x.shape[-1]
@@ -157,6 +162,7 @@ def _rms_norm_triton(x, residual, weight, eps):
     if rows == 0:
         return out, total
     block = triton.next_power_of_2(cols)
+    launch = launch_options(x, pdl)
     _rms_norm_kernel[(rows,)](
         x,
         residual,
@@ -171,12 +177,14 @@ def _rms_norm_triton(x, residual, weight, eps):
         eps,
         HAS_RESIDUAL=has_residual,
         BLOCK=block,
+        PDL=bool(launch),
         num_warps=_num_warps(block),
+        **launch,
     )
     return out, total
 
 
-def _rotary_triton(q, k, cos, sin, store=None):
+def _rotary_triton(q, k, cos, sin, store=None, pdl=True):
     """store: (v, k_cache, v_cache, slots) to also write the rotated k and v to the cache."""
     tokens, num_q, head_dim = q.shape
     num_k = k.shape[1]
@@ -198,12 +206,14 @@ def _rotary_triton(q, k, cos, sin, store=None):
     half = head_dim // 2
     block_d = triton.next_power_of_2(half)
     block_q, block_k = triton.next_power_of_2(num_q), triton.next_power_of_2(num_k)
+    launch = launch_options(q, pdl)
     _rotary_kernel[(tokens,)](
         q, k, cos, sin, q_out, k_out, v, k_cache, v_cache, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), v.stride(0),
         k_cache.stride(0), v_cache.stride(0), num_q, num_k, half,
         STORE=store is not None, BLOCK_Q=block_q, BLOCK_K=block_k, BLOCK_D=block_d,
-        BLOCK_V=triton.next_power_of_2(num_k * head_dim), num_warps=_num_warps(max(block_q, block_k) * block_d),
+        BLOCK_V=triton.next_power_of_2(num_k * head_dim), PDL=bool(launch),
+        num_warps=_num_warps(max(block_q, block_k) * block_d), **launch,
     )  # fmt: skip
     return q_out, k_out
 
@@ -285,7 +295,9 @@ if triton is not None:
         eps,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)  # 64-bit: rows * C passes 2^31 in long prefills
         c = tl.arange(0, BLOCK)
         ok = c < cols
@@ -345,8 +357,9 @@ if triton is not None:
         q_stride_t, q_stride_h, k_stride_t, k_stride_h, cos_stride_t, sin_stride_t, v_stride_t,
         k_cache_stride, v_cache_stride, num_q, num_k, half,
         STORE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_V: tl.constexpr,
+        BLOCK_V: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
+        wait_for_previous(PDL)
         t = tl.program_id(0).to(tl.int64)  # one token: all its q and k heads (and its v)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < half

@@ -25,10 +25,13 @@ import torch
 
 from ringserve.attention import VarlenBatch, attention_with_lse
 from ringserve.config import FULL_ATTENTION, AttentionWindow
+from ringserve.pdl import launch_options
 
 try:
     import triton
     import triton.language as tl
+
+    from ringserve.pdl import wait_for_previous
 except ImportError:  # CPU builds of torch come without Triton
     triton = None
 
@@ -86,13 +89,17 @@ def paged_attention(
     block_size: int,
     scale: float,
     window: AttentionWindow = FULL_ATTENTION,
+    pdl: bool = True,
 ):
     """(out [T, NH, D], lse [T, NH] float32) of every query over its sequence's cached keys
     that its window lets it see; blocks before the first one a sequence's first query sees
-    are never read (a windowed layer may have freed them)."""
+    are never read (a windowed layer may have freed them). pdl: the kernels launched with
+    programmatic dependent launch where the GPU has it (ringserve.pdl)."""
     # Under Triton's CPU interpreter (tests) the kernel runs on the CPU too.
     if triton is not None and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return _paged_triton(q, k_cache, v_cache, block_tables, batch, block_size, scale, window=window)
+        return _paged_triton(
+            q, k_cache, v_cache, block_tables, batch, block_size, scale, window=window, pdl=pdl
+        )
     return paged_attention_reference(q, k_cache, v_cache, block_tables, batch, block_size, scale, window)
 
 
@@ -143,6 +150,7 @@ def _paged_triton(
     scale: float,
     launch=None,
     window: AttentionWindow = FULL_ATTENTION,
+    pdl: bool = True,
 ):
     """launch: overrides of the kernel's tile and launch settings (bench/bench_paged.py)."""
     launch = {**LAUNCH, **(launch or {})}
@@ -160,6 +168,7 @@ def _paged_triton(
     else:
         part_out, part_lse = out.unsqueeze(0), lse.unsqueeze(0)
     grid = (batch.tile_seq.shape[0], num_kv_heads, splits)
+    pdl_launch = launch_options(q, pdl)
     _paged_kernel[grid](
         q,
         k_cache,
@@ -200,8 +209,10 @@ def _paged_triton(
         HAS_SLIDING=window.sliding is not None,
         HAS_CHUNK=window.chunk is not None,
         LOCAL=not window.is_full,
+        PDL=bool(pdl_launch),
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
+        **pdl_launch,
     )
     if splits > 1:
         _merge_splits_kernel[(tokens, num_heads)](
@@ -220,6 +231,8 @@ def _paged_triton(
             SPLITS=splits,
             HEAD_DIM=head_dim,
             D_PAD=triton.next_power_of_2(head_dim),
+            PDL=bool(pdl_launch),
+            **pdl_launch,
         )
     return out, lse
 
@@ -302,9 +315,11 @@ if triton is not None:
         HAS_SLIDING: tl.constexpr,
         HAS_CHUNK: tl.constexpr,
         LOCAL: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         # One program: QUERIES queries of one sequence x the GROUP query heads of one KV
         # head (rows query-major), over one split of the keys they may see.
+        wait_for_previous(PDL)
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -387,8 +402,10 @@ if triton is not None:
         SPLITS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         # One program per (query, head): the log-sum-exp merge of its split-KV partials.
+        wait_for_previous(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         s = tl.arange(0, SPLITS)

@@ -23,10 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from ringserve.kernels import gelu_tanh_mul, silu_mul
+from ringserve.pdl import launch_options
 
 try:
     import triton
     import triton.language as tl
+
+    from ringserve.pdl import wait_for_previous
 except ImportError:  # CPU builds of torch come without Triton
     triton = None
 
@@ -38,22 +41,25 @@ GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
 _ACTIVATION_CODE = {"silu": 1, "gelu_pytorch_tanh": 2}
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), x [M, K], weight [N, K]; the skinny kernel where it pays."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pdl: bool = True
+) -> torch.Tensor:
+    """F.linear(x, weight, bias), x [M, K], weight [N, K]; the skinny kernel where it pays
+    (pdl: launched with programmatic dependent launch where the GPU has it, ringserve.pdl)."""
     plan = skinny_plan(x, weight)
     if plan is None:
         return F.linear(x, weight, bias)
-    return skinny_linear(x, weight, bias, plan)
+    return skinny_linear(x, weight, bias, plan, pdl=pdl)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, activation: str, pdl: bool = True) -> torch.Tensor:
     """act(x @ gate^T) * (x @ up^T) [M, I] for weight [2I, K] (gate rows, then up rows), as HF's
     `act_fn(gate_proj(x)) * up_proj(x)`: each matmul's and the activation's result rounded to
     x's dtype before the product."""
     plan = skinny_plan(x, weight, gated=True)
     if plan is None:
         return GATED_ACTIVATIONS[activation](F.linear(x, weight))
-    return skinny_linear(x, weight, None, plan, activation)
+    return skinny_linear(x, weight, None, plan, activation, pdl=pdl)
 
 
 def skinny_plan(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> tuple[int, int, int] | None:
@@ -96,16 +102,19 @@ def skinny_linear(
     bias: torch.Tensor | None,
     plan: tuple[int, int, int],
     activation: str | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """x @ weight^T + bias; with an activation, act(gate) * up of the two halves of weight."""
     m, k = x.shape
     n = weight.shape[0] if activation is None else weight.shape[0] // 2
     block_n, block_k, stages = plan
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    launch = launch_options(x, pdl)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else y, y, m, n, x.stride(0), K=k, HAS_BIAS=bias is not None,
         ACT=0 if activation is None else _ACTIVATION_CODE[activation],
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages,
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, PDL=bool(launch), num_warps=4, num_stages=stages,
+        **launch,
     )  # fmt: skip
     return y
 
@@ -147,7 +156,7 @@ if triton is not None:
     def _skinny_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_x, K: tl.constexpr, HAS_BIAS: tl.constexpr,
         ACT: tl.constexpr,  # 0: y = x @ w^T; 1 silu, 2 gelu (tanh): y = act(x @ gate^T) * x @ up^T
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         # y[M, N] = x[M, K] @ w[N, K]^T: program p owns columns p * BLOCK_N .., its [BLOCK_N,
         # BLOCK_K] tiles of w pipelined over K. With ACT, w is [2N, K]: the program also
@@ -158,6 +167,7 @@ if triton is not None:
         m_ok = rm[:, None] < M
         n_ok = rn < N
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # int64: the LM head passes 2^31 elements
+        wait_for_previous(PDL)
         acc, acc_up = stream_weights(
             x_ptr, w_rows, w_rows + N * K, stride_x, rm, tl.arange(0, BLOCK_K), m_ok, n_ok, K, ACT != 0,
             BLOCK_M, BLOCK_N, BLOCK_K,

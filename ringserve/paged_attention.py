@@ -3,8 +3,7 @@
 The cache is never gathered into a copy of each context: a Triton kernel follows each
 sequence's block table on the device. Decode (one query per sequence) splits every
 sequence's keys over several programs (split-KV, "flash decoding") so that even batch 1
-at a long context keeps the whole GPU streaming; the splits merge by log-sum-exp, done by
-the last of a tile's programs to finish (a count per tile) rather than a second kernel.
+at a long context keeps the whole GPU streaming; the splits merge by log-sum-exp.
 
 Shapes: q [T, NH, D] (sequence i's queries are q[cu_q[i]:cu_q[i+1]]); k_cache, v_cache
 [num_slots, NKV, D], slot = block * block_size + offset; block_tables [R, max_blocks]
@@ -60,10 +59,6 @@ class PagedBatch:
     host_cu_q: list[int] | None = None
     host_seq_lens: list[int] | None = None
     host_seq_rows: list[int] | None = None
-    # With num_splits > 1: [tiles * NKV] int32 zeros, left zero by the kernel (each tile's
-    # splits count themselves in; the last one merges them and resets the count). None: a
-    # fresh one per call (one memset more).
-    split_counters: torch.Tensor | None = None
 
 
 def _next_power_of_2(n: int) -> int:
@@ -167,16 +162,12 @@ def _paged_triton(
     splits = batch.num_splits
     out = torch.empty_like(q)
     lse = torch.empty(tokens, num_heads, dtype=torch.float32, device=q.device)
-    grid = (batch.tile_seq.shape[0], num_kv_heads, splits)
     if splits > 1:
         part_out = torch.empty(splits, tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(splits, tokens, num_heads, dtype=torch.float32, device=q.device)
-        counters = batch.split_counters
-        if counters is None:
-            counters = torch.zeros(grid[0] * num_kv_heads, dtype=torch.int32, device=q.device)
-        assert counters.numel() >= grid[0] * num_kv_heads, "split_counters: one per (tile, KV head)"
     else:
-        part_out, part_lse, counters = out.unsqueeze(0), lse.unsqueeze(0), batch.seq_lens  # not used
+        part_out, part_lse = out.unsqueeze(0), lse.unsqueeze(0)
+    grid = (batch.tile_seq.shape[0], num_kv_heads, splits)
     pdl_launch = launch_options(q, pdl)
     _paged_kernel[grid](
         q,
@@ -190,9 +181,6 @@ def _paged_triton(
         batch.tile_q0,
         part_out,
         part_lse,
-        counters,
-        out,
-        lse,
         scale * math.log2(math.e),
         q.stride(0),
         q.stride(1),
@@ -206,9 +194,6 @@ def _paged_triton(
         part_out.stride(2),
         part_lse.stride(0),
         part_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
-        lse.stride(0),
         window.sliding or 0,
         window.chunk or 0,
         NUM_SPLITS=splits,
@@ -229,6 +214,26 @@ def _paged_triton(
         num_stages=launch["num_stages"],
         **pdl_launch,
     )
+    if splits > 1:
+        _merge_splits_kernel[(tokens, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            lse,
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0),
+            SPLITS=splits,
+            HEAD_DIM=head_dim,
+            D_PAD=triton.next_power_of_2(head_dim),
+            PDL=bool(pdl_launch),
+            **pdl_launch,
+        )
     return out, lse
 
 
@@ -282,9 +287,6 @@ if triton is not None:
         tile_q0_ptr,
         out_ptr,  # [splits, T, NH, D]: this split's normalised output
         lse_ptr,  # [splits, T, NH]: its natural-log LSE (-inf: no key seen)
-        counters_ptr,  # NUM_SPLITS > 1: [tiles * NKV] int32, zero: splits done per tile
-        merged_out_ptr,  # NUM_SPLITS > 1: [T, NH, D], the splits merged
-        merged_lse_ptr,  # NUM_SPLITS > 1: [T, NH] float32
         scale_log2,
         stride_qt,
         stride_qh,
@@ -298,9 +300,6 @@ if triton is not None:
         stride_oh,
         stride_ls,
         stride_lt,
-        stride_mt,
-        stride_mh,
-        stride_mlt,
         sliding,  # window of the layer: keys p - sliding < k (0: none)
         chunk,  # attention chunk: keys of p's own chunk (0: none)
         NUM_SPLITS: tl.constexpr,
@@ -385,49 +384,42 @@ if triton is not None:
         o_offs = split * stride_os + rows_t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptr + split * stride_ls + rows_t * stride_lt + head, lse, mask=row_ok)
-        if NUM_SPLITS > 1:
-            # The last of the tile's splits to finish merges them (no second kernel): every
-            # thread's stores above come before the count (barrier, then a release), and
-            # the merger's loads after it (acquire). It leaves the count at zero.
-            tl.debug_barrier()
-            counter = counters_ptr + tile * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                tl.store(counter, 0)
-                _merge_splits(
-                    out_ptr, lse_ptr, merged_out_ptr, merged_lse_ptr, rows_t, head, row_ok, d, d_ok,
-                    stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_mt, stride_mh, stride_mlt,
-                    NUM_SPLITS, QUERIES * GROUP_PAD, 4,
-                )  # fmt: skip
 
     @triton.jit
-    def _merge_splits(
-        part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, rows_t, head, row_ok, d, d_ok,
-        stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_mt, stride_mh, stride_mlt,
-        NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-    ):  # fmt: skip
-        """The log-sum-exp merge of a tile's rows' split-KV partials (each split's output
-        normalised, its LSE -inf where it saw no key) into out and lse."""
-        s = tl.arange(0, NUM_SPLITS)
-        lses = tl.load(
-            part_lse_ptr + s[:, None] * stride_ls + (rows_t * stride_lt + head)[None, :],
-            mask=row_ok[None, :],
-            other=float("-inf"),
-        )  # [NUM_SPLITS, ROWS]
+    def _merge_splits_kernel(
+        part_out_ptr,
+        part_lse_ptr,
+        out_ptr,
+        lse_ptr,
+        stride_ps,
+        stride_pt,
+        stride_ph,
+        stride_ls,
+        stride_lt,
+        stride_ot,
+        stride_oh,
+        stride_lse_t,
+        SPLITS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
+        # One program per (query, head): the log-sum-exp merge of its split-KV partials.
+        wait_for_previous(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        s = tl.arange(0, SPLITS)
+        d = tl.arange(0, D_PAD)
+        lses = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h)
         top = tl.max(lses, 0)
-        top = tl.where(top == float("-inf"), 0.0, top)
-        total = tl.sum(tl.exp(lses - top[None, :]), 0)  # 0 for rows no split saw a key of
-        acc = tl.zeros([ROWS, d.shape[0]], tl.float32)
-        row_offs = rows_t * stride_ot + head * stride_oh
-        for s0 in range(0, NUM_SPLITS, CHUNK):  # [CHUNK, ROWS, D] partials at a time
-            c = s0 + tl.arange(0, CHUNK)
-            w = tl.exp(tl.load(part_lse_ptr + c[:, None] * stride_ls + (rows_t * stride_lt + head)[None, :],
-                               mask=(c < NUM_SPLITS)[:, None] & row_ok[None, :], other=float("-inf")) - top[None, :])  # fmt: skip
-            offs = c[:, None, None] * stride_os + row_offs[None, :, None] + d[None, None, :]
-            parts = tl.load(part_out_ptr + offs, mask=(w > 0)[:, :, None] & d_ok[None, None, :], other=0.0)
-            acc += tl.sum(parts * w[:, :, None], 0)
-        seen = total > 0
-        out = acc / tl.where(seen, total, 1.0)[:, None]
-        o_offs = rows_t[:, None] * stride_mt + head[:, None] * stride_mh + d[None, :]
-        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        lse = tl.where(seen, top + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
-        tl.store(lse_ptr + rows_t * stride_mlt + head, lse, mask=row_ok)
+        top_use = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp(lses - top_use)  # 0 for splits that saw no key
+        total = tl.sum(w, 0)
+        offs = s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :]
+        parts = tl.load(part_out_ptr + offs, mask=(w[:, None] > 0) & (d[None, :] < HEAD_DIM), other=0.0)
+        out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+        tl.store(
+            out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM
+        )
+        lse = tl.where(total > 0, top_use + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        tl.store(lse_ptr + t * stride_lse_t + h, lse)

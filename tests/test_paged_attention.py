@@ -54,12 +54,6 @@ def case(q_lens, seq_lens, nh, nkv, d, splits, bs=4, seed=0, window=AttentionWin
     for row, n, ql in zip(rows, seq_lens, q_lens):
         tables[row, : window.first_visible(n - ql) // bs] = poison
     out, lse = pa.paged_attention(q, k_cache, v_cache, tables, batch, bs, d**-0.5, window)
-    if splits > 1:  # the last split of each tile merges them; the counts it uses end at zero
-        batch.split_counters = torch.zeros(len(tile_seq) * nkv + 5, dtype=torch.int32)
-        for _ in range(2):
-            again, again_lse = pa.paged_attention(q, k_cache, v_cache, tables, batch, bs, d**-0.5, window)
-            assert torch.equal(again, out) and torch.equal(again_lse, lse)
-            assert not batch.split_counters.any()
     ref_out, ref_lse = pa.paged_attention_reference(q, k_cache, v_cache, tables, batch, bs, d**-0.5, window)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     tables = visible_tables

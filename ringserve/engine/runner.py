@@ -64,11 +64,6 @@ class ModelRunner:
         # Decode tiles are one per sequence, from the start of its queries.
         self._arange = torch.arange(max_rows + 2, dtype=torch.int32, device=device)
         self._zeros = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
-        # Split-KV's count of finished splits per (decode tile, KV head): zero between
-        # kernels (the last split resets it), so one buffer serves every layer and step.
-        self._split_counters = torch.zeros(
-            (max_rows + 1) * self.num_kv_heads, dtype=torch.int32, device=device
-        )
         self.host_elements = 0  # host-built index elements, summed over steps (tests count them)
         self.graphs = None  # DecodeGraphs, set by the worker on CUDA unless eager is enforced
 
@@ -196,9 +191,8 @@ class ModelRunner:
             if decode and self.device.type == "cuda":
                 splits = decode_splits(b, self.num_kv_heads, self.keys_read(max(seq_lens)), self.num_sms)
             paged = PagedBatch(
-                seq_rows_d, cu_q_d, seq_lens_d, tile_seq_d, tile_q0_d, qpt, splits, cu_q, seq_lens, step.rows,
-                self._split_counters,
-            )  # fmt: skip
+                seq_rows_d, cu_q_d, seq_lens_d, tile_seq_d, tile_q0_d, qpt, splits, cu_q, seq_lens, step.rows
+            )
             ctx = self._context(slots, paged=paged)
         return ids, pos, ctx, logit_rows_d
 
@@ -235,7 +229,6 @@ class ModelRunner:
             self._zeros[:b],
             1,
             num_splits,
-            split_counters=self._split_counters,
         )
         ctx = self._context(self._slots(rows, positions), paged=paged)
         hidden = self.model(input_ids, positions, ctx)

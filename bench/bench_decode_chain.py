@@ -10,8 +10,9 @@ variant), captured in one CUDA graph and replayed, at batch 1 and 16:
   glu       skinny, with gate/up's SiLU-mul in its epilogue (ringserve.skinny_matmul's
             gated_linear: no SiLU-mul kernel, no [M, 2I] round trip); tiles swept first
   normepi+glu  both: gate/up's gated epilogue scales by rstd, then applies SiLU-mul
-  (programmatic dependent launch of these kernels was measured slower at 8a52eca and
-  dropped: BENCHMARKS.md)
+  (programmatic dependent launch with each skinny program's first weight tile read before
+  waiting, peeled out of its loop, was measured slower at 8a52eca: BENCHMARKS.md; waiting
+  first, as the engine's kernels now do, is faster: kind "engine" below)
   with --sweep, first a sweep of tiles per shape (else the tiles found at 75c910a), and:
   silu      down_proj reads gate/up and applies SiLU-mul as it loads (no SiLU-mul kernel)
   norm      qkv and gate_up add the residual and apply the RMSNorm as they load (no norm
@@ -30,7 +31,7 @@ variant), captured in one CUDA graph and replayed, at batch 1 and 16:
   normepi+glu+pdl  normepi+glu with its matmuls launched with PDL too
   (PDL with the skinny matmul letting the next kernel launch only after its weight stream,
   or prefetching its first 1-2 weight tiles into L2 before waiting, was measured slower at
-  fbd8e05 and dropped: BENCHMARKS.md)
+  e455245^ and dropped: BENCHMARKS.md)
 
   PYTHONPATH=. python bench/bench_decode_chain.py [--batch 1 16] [--sweep] [--attention] [--tma]
 

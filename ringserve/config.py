@@ -12,6 +12,7 @@ import torch
 from ringserve.config_dense_families import DENSE_FAMILY_FIELDS
 from ringserve.config_moe_families import MOE_FAMILY_FIELDS, TEXT_MODEL_OF
 from ringserve.errors import ModelLoadError
+from ringserve.skinny_matmul import GATED_ACTIVATIONS
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -27,8 +28,6 @@ SUPPORTED_ARCHITECTURES = (
 )
 # What each family sets beyond the Llama shape (config_dense_families / config_moe_families).
 FAMILY_FIELDS = {**DENSE_FAMILY_FIELDS, **MOE_FAMILY_FIELDS}
-# The MLP activations the model implements (HF's ACT2FN names), applied to gate_proj's output.
-MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -297,7 +296,8 @@ def _refuse_unsupported(config: ModelConfig, hf) -> None:
     """Fields that change the math and that the model does not implement: refused by name,
     never run silently wrong."""
     arch = config.architecture
-    supported = ("silu",) if config.is_moe else MLP_ACTIVATIONS  # experts run silu only
+    # The MLP's activations (HF's ACT2FN names, applied to gate_proj's output); experts run silu only
+    supported = ("silu",) if config.is_moe else tuple(GATED_ACTIVATIONS)
     if config.hidden_act not in supported:
         field_name = "hidden_activation" if hasattr(hf, "hidden_activation") else "hidden_act"
         raise ModelLoadError(

@@ -69,9 +69,3 @@ def test_skinny_plan_only_where_it_pays():
     assert S._plan(4096, 4096, 132, gated=True) == (16, 512, 4)
     assert S.skinny_plan(x, w, gated=True) is None
     assert torch.equal(S.gated_linear(x, w, "silu"), S.silu_mul(torch.nn.functional.linear(x, w)))
-
-
-def test_gated_activations_are_the_configs():
-    from ringserve.config import MLP_ACTIVATIONS
-
-    assert set(S.GATED_ACTIVATIONS) == set(MLP_ACTIVATIONS)

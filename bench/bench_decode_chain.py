@@ -20,20 +20,18 @@ variant), captured in one CUDA graph and replayed, at batch 1 and 16:
 
   with --attention, each layer also runs its attention (ringserve's RoPE + KV store, paged
   kernel and split merge over a 1K context, the splits an engine sized for 128K takes)
-  with --tma, a sweep per shape of the skinny matmul with its weight tiles loaded through
-  TMA descriptors (warps swept too) against the plain kernel's tile, and:
-  glu+tma   glu, with the other matmuls through the TMA kernel at its best tiles
+  (weight tiles loaded through TMA descriptors, swept per shape and chained as "glu+tma",
+  gained nothing at e455245^ and were dropped: BENCHMARKS.md; the code is in e455245)
   (an L2 prefetch of o_proj's weight on a side stream while attention runs was measured
   slower at e982a09 and dropped: BENCHMARKS.md; its code is in commit 2327384)
   engine    the engine's own functions (ringserve.kernels, skinny_matmul, paged_attention),
             every kernel launched with programmatic dependent launch (ringserve.pdl)
   engine-nopdl  the same without PDL
-  normepi+glu+pdl  normepi+glu with its matmuls launched with PDL too
   (PDL with the skinny matmul letting the next kernel launch only after its weight stream,
-  or prefetching its first 1-2 weight tiles into L2 before waiting, was measured slower at
-  e455245^ and dropped: BENCHMARKS.md)
+  or prefetching its first 1-2 weight tiles into L2 before waiting, and normepi+glu with
+  PDL, were measured slower at e455245^ / e455245 and dropped: BENCHMARKS.md)
 
-  PYTHONPATH=. python bench/bench_decode_chain.py [--batch 1 16] [--sweep] [--attention] [--tma]
+  PYTHONPATH=. python bench/bench_decode_chain.py [--batch 1 16] [--sweep] [--attention]
 
 Prints each variant's replay time per step and its difference to base, and checks every
 variant's output against base (bf16 rounding differs where the norm is fused).
@@ -49,79 +47,13 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ringserve import paged_attention as pa
 from ringserve.kernels import add_rms_norm, rotary_store_kv, silu_mul
-from ringserve.pdl import launch_options, wait_for_previous
 from ringserve.skinny_matmul import gated_activation, skinny_linear, skinny_plan, stream_weights
 
 H, INTER, NQKV, V, LAYERS = 4096, 14336, 6144, 128256, 32
 NH, NKV, D, PAGE, CONTEXT = 32, 8, 128, 16, 1024
-
-
-@triton.jit
-def _skinny_tma(
-    x_ptr, w_desc, y_ptr, M, N, stride_x, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    # The skinny matmul with w's tiles loaded through a TMA descriptor (Hopper's bulk copy
-    # engine: no per-thread addresses, deeper pipelines for the same registers).
-    n0 = tl.program_id(0) * BLOCK_N
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    rn = n0 + tl.arange(0, BLOCK_N)
-    m_ok = rm[:, None] < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok, other=0.0)
-        acc += tl.dot(x, tl.trans(w_desc.load([n0, k0])))
-    tl.store(
-        y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok & (rn[None, :] < N)
-    )
-
-
-_DESCRIPTORS = {}
-
-
-def skinny_tma(x, w, cfg):
-    """x @ w^T by _skinny_tma; cfg (BLOCK_N, BLOCK_K, warps, stages). One descriptor per
-    (weight, tile), made once (an engine would make them at load time)."""
-    bn, bk, warps, stages = cfg
-    key = (w.data_ptr(), bn, bk)
-    if key not in _DESCRIPTORS:
-        _DESCRIPTORS[key] = TensorDescriptor.from_tensor(w, block_shape=[bn, bk])
-    m, k = x.shape
-    n = w.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _skinny_tma[(triton.cdiv(n, bn),)](
-        x, _DESCRIPTORS[key], y, m, n, x.stride(0), K=k, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return y
-
-
-def sweep_tma(m, name, ws, k, plain_best):
-    """The TMA kernel's fastest cfg over ws (warps swept too), against the plain skinny's best."""
-    x = torch.randn(m, k, device=ws[0].device, dtype=ws[0].dtype)
-    results = []
-    for cfg in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 5)):
-        if cfg[0] * cfg[1] * 2 * cfg[3] > 200_000 or k % cfg[1]:
-            continue
-        try:
-            t, _ = graph_ms(lambda cfg=cfg: [skinny_tma(x, w, cfg) for w in ws], reps=20)
-        except Exception as e:  # out of shared memory, no TMA, etc.
-            print(f"  tma {name} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-            continue
-        results.append((t * 1000 / len(ws), cfg))
-    results.sort()
-    t_plain, _ = graph_ms(lambda: [skinny(x, w, plain_best[0], block_m=plain_best[1]) for w in ws], reps=20)
-    print(
-        f"M={m:2d} {name:5s} TMA best {results[0][0]:6.1f} us {results[0][1]} | plain skinny "
-        f"{t_plain * 1000 / len(ws):6.1f} us {plain_best[0]} | next {[(round(t, 1), c) for t, c in results[1:4]]}",
-        flush=True,
-    )
-    return results[0][1]
 
 
 @triton.jit
@@ -198,7 +130,7 @@ def _skinny(
 def _skinny_epi(
     x_ptr, w_ptr, y_ptr, res_ptr, sq_in_ptr, sq_out_ptr, M, N, stride_x, eps, K: tl.constexpr,
     RSTD: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # The norm moved into epilogues, nothing on x's load path (GATED: w is [2N, K], gate
     # rows then up rows, and y = silu(gate) * up, both scaled by rstd first):
@@ -206,7 +138,6 @@ def _skinny_epi(
     #         norm(x) @ w^T = (x @ (w * nw)^T) * rstd, rstd = rsqrt(sq_in[m] / K + eps);
     #   RESIDUAL: y = x @ w^T + res, rounded, stored, and sum(y^2) over this program's
     #         columns added to sq_out[m] (the next norm's sum of squares, by atomics).
-    wait_for_previous(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
@@ -232,7 +163,7 @@ def _skinny_epi(
         tl.atomic_add(sq_out_ptr + rm, tl.sum(yf * yf, axis=1), mask=m_ok)
 
 
-def skinny_epi(x, w, cfg, rstd_from=None, res=None, sq_out=None, eps=1e-5, gated=False, pdl=False):
+def skinny_epi(x, w, cfg, rstd_from=None, res=None, sq_out=None, eps=1e-5, gated=False):
     m = x.shape[0]
     n, k = w.shape
     n = n // 2 if gated else n
@@ -241,8 +172,8 @@ def skinny_epi(x, w, cfg, rstd_from=None, res=None, sq_out=None, eps=1e-5, gated
     _skinny_epi[(triton.cdiv(n, bn),)](
         x, w, y, res if res is not None else y, rstd_from if rstd_from is not None else y,
         sq_out if sq_out is not None else y, m, n, x.stride(0), eps, K=k, RSTD=rstd_from is not None,
-        RESIDUAL=res is not None, GATED=gated, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, num_warps=warps,
-        num_stages=stages, **launch_options(x, pdl),
+        RESIDUAL=res is not None, GATED=gated, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     return y
 
@@ -272,14 +203,14 @@ def attention_stand_in(m: int, device, dtype):
         q = qkv[:, : NH * D].view(m, NH, D)
         k = qkv[:, NH * D : (NH + NKV) * D].view(m, NKV, D)
         v = qkv[:, (NH + NKV) * D :].view(m, NKV, D)
-        q, _ = rotary_store_kv(q, k, v, cos, sin, *caches[i], slots, pdl=pdl)
-        out, _ = pa.paged_attention(q, *caches[i], tables, paged, PAGE, D**-0.5, pdl=pdl)
+        q, _ = rotary_store_kv(q, k, v, cos, sin, *caches[i], slots)
+        out, _ = pa.paged_attention(q, *caches[i], tables, paged, PAGE, D**-0.5)
         return out.view(m, H)
 
     return attend
 
 
-def norm_epilogue_chain(x0, layers, lm_head, final_ln, best, attend, glu_cfg=None, pdl=False):
+def norm_epilogue_chain(x0, layers, lm_head, final_ln, best, attend, glu_cfg=None):
     """The chain with every RMSNorm in epilogues (kind "normepi"): norm weights folded into
     the next matmul's weight, one memset of the per-layer sums of squares per step."""
     folded = [
@@ -297,16 +228,14 @@ def norm_epilogue_chain(x0, layers, lm_head, final_ln, best, attend, glu_cfg=Non
         sums[0] = x0.float().pow(2).sum(-1)
         h = x0
         for i, (layer, f) in enumerate(zip(layers, folded)):
-            qkv = skinny_epi(h, f["qkv"], cfg("qkv"), rstd_from=sums[2 * i], pdl=pdl)
-            h = skinny_epi(
-                attend(i, qkv, pdl=pdl), layer["o"], cfg("o"), res=h, sq_out=sums[2 * i + 1], pdl=pdl
-            )
+            qkv = skinny_epi(h, f["qkv"], cfg("qkv"), rstd_from=sums[2 * i])
+            h = skinny_epi(attend(i, qkv), layer["o"], cfg("o"), res=h, sq_out=sums[2 * i + 1])
             if glu_cfg is None:
                 act = silu_mul(skinny_epi(h, f["gu"], cfg("gu"), rstd_from=sums[2 * i + 1]))
             else:  # normepi+glu: the gated epilogue scales by rstd first
-                act = skinny_epi(h, f["gu"], glu_cfg, rstd_from=sums[2 * i + 1], gated=True, pdl=pdl)
-            h = skinny_epi(act, layer["down"], cfg("down"), res=h, sq_out=sums[2 * i + 2], pdl=pdl)
-        return skinny_epi(h, lm_folded, cfg("lm"), rstd_from=sums[-1], pdl=pdl)
+                act = skinny_epi(h, f["gu"], glu_cfg, rstd_from=sums[2 * i + 1], gated=True)
+            h = skinny_epi(act, layer["down"], cfg("down"), res=h, sq_out=sums[2 * i + 2])
+        return skinny_epi(h, lm_folded, cfg("lm"), rstd_from=sums[-1])
 
     return run
 
@@ -442,26 +371,17 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
 
     glu_plan = sweep_glu(m, [layer["gu"] for layer in layers])
     attend = attention_stand_in(m, dev, dt) if args.attention else (lambda i, qkv, pdl=False: qkv[:, :H])
-    tma_best = {}
-    if args.tma:
-        for name, (_n, k) in shapes.items():
-            ws = [layer[name] for layer in layers] if name != "lm" else [lm_head]
-            tma_best[name] = sweep_tma(m, name, ws, k, best[name, 0])
 
     def chain(kind: str):
         if kind.startswith("engine"):
             return engine_chain(x0, layers, lm_head, final_ln, attend, kind == "engine")
         if kind.startswith("normepi"):
-            glu_cfg = (glu_plan[0], glu_plan[1], 4, glu_plan[2]) if "+glu" in kind else None
-            return norm_epilogue_chain(
-                x0, layers, lm_head, final_ln, best, attend, glu_cfg, kind.endswith("+pdl")
-            )
+            glu_cfg = (glu_plan[0], glu_plan[1], 4, glu_plan[2]) if kind == "normepi+glu" else None
+            return norm_epilogue_chain(x0, layers, lm_head, final_ln, best, attend, glu_cfg)
 
         def lin(x, name, w, prologue=0, **kw):
             if kind == "base":
                 return F.linear(x, w)
-            if kind == "glu+tma" and prologue == 0:
-                return skinny_tma(x, w, tma_best[name])
             cfg, block_m = best[name, prologue]
             return skinny(x, w, cfg, prologue, block_m=block_m, **kw)
 
@@ -500,9 +420,7 @@ def run_batch(m, layers, lm_head, final_ln, shapes, configs, args):
     outs = {}
     base_ms = None
     kinds = ["base", "skinny", "glu", "normepi", "normepi+glu"] + (["silu", "norm"] if args.sweep else [])
-    kinds += ["engine-nopdl", "engine", "normepi+glu+pdl"]
-    if args.tma:
-        kinds += ["glu+tma"]
+    kinds += ["engine-nopdl", "engine"]
     for kind in kinds:
         fn = chain(kind)
         try:
@@ -528,7 +446,6 @@ def main():
     parser.add_argument(
         "--attention", action="store_true", help="attention in each layer, as the engine runs it"
     )
-    parser.add_argument("--tma", action="store_true", help="sweep and chain the TMA-descriptor skinny matmul")
     args = parser.parse_args()
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16

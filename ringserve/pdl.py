@@ -2,8 +2,8 @@
 
 A kernel launched with PDL may start while the kernel before it on the stream is still
 running: its programs become resident, do what needs nothing from the previous kernel
-(compute addresses), then wait in `griddepcontrol.wait` until
-the previous kernel has finished and its writes are visible. A decode step is ~300 short
+(compute addresses), then wait in `griddepcontrol.wait` until the previous kernel has
+finished and its writes are visible. A decode step is ~300 short
 kernels back to back (a few microseconds each), and each one's launch, ramp and first
 loads otherwise start only after the previous one has drained.
 

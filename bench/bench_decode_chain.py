@@ -203,10 +203,18 @@ def attention_stand_in(m: int, device, dtype):
         q = qkv[:, : NH * D].view(m, NH, D)
         k = qkv[:, NH * D : (NH + NKV) * D].view(m, NKV, D)
         v = qkv[:, (NH + NKV) * D :].view(m, NKV, D)
-        q, _ = rotary_store_kv(q, k, v, cos, sin, *caches[i], slots)
-        out, _ = pa.paged_attention(q, *caches[i], tables, paged, PAGE, D**-0.5)
+        q, _ = rotary_store_kv(q, k, v, cos, sin, *caches[i], slots, pdl=pdl)
+        out, _ = pa.paged_attention(q, *caches[i], tables, paged, PAGE, D**-0.5, pdl=pdl)
         return out.view(m, H)
 
+    def scramble():
+        """Noise in the slots this step writes, as a graph replay finds them: the paged
+        kernel must read what RoPE + KV store wrote there, not what it found."""
+        for k_cache, v_cache in caches:
+            k_cache[slots] = torch.randn_like(k_cache[slots])
+            v_cache[slots] = torch.randn_like(v_cache[slots])
+
+    attend.scramble = scramble
     return attend
 
 

@@ -281,7 +281,8 @@ def check_pdl():
     merge, o_proj, gated gate/up, down) and an LM head, in a CUDA graph with PDL and in one
     without, each replayed 20 times at batch 1 and 16, every output equal to the first
     without PDL. (A kernel reading its input before the one before it finished would give
-    other bits, some of the time.)"""
+    other bits, some of the time: before each replay the KV slots the step writes are filled
+    with noise, so the paged kernel reading this step's keys early would see it.)"""
     import bench_decode_chain as chain
 
     dev, dt = "cuda", torch.bfloat16
@@ -309,6 +310,7 @@ def check_pdl():
                 out = run()
             outs[pdl] = []
             for _ in range(20):
+                attend.scramble()
                 graph.replay()
                 outs[pdl].append(out.clone())
         ref = outs[False][0]

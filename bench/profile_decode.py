@@ -71,8 +71,8 @@ def main():
         sync_ms = per_step_ms(engine.step, args.steps)
         engine.async_scheduling = True
         graphs = runner.graphs
-        bucket = next(b for b in graphs.buckets if b >= batch)
-        replay_ms = per_step_ms(graphs.graphs[bucket].replay, args.steps)
+        graph = graphs.graphs[graphs.graph_key(batch, args.context + args.steps)]
+        replay_ms = per_step_ms(graph.replay, args.steps)
         print(
             f"batch {batch:3d}: engine.step {step_ms:6.2f} ms (async scheduling), {sync_ms:6.2f} ms "
             f"(synchronous), graph replay alone {replay_ms:6.2f} ms"
@@ -87,7 +87,7 @@ def main():
             prof.export_chrome_trace(os.path.join(args.trace_dir, f"decode_steps_b{batch}.json"))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                graphs.graphs[bucket].replay()
+                graph.replay()
             torch.cuda.synchronize()
         events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         events.sort(key=lambda e: -e.device_time_total)

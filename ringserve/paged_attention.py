@@ -59,6 +59,9 @@ class PagedBatch:
     host_cu_q: list[int] | None = None
     host_seq_lens: list[int] | None = None
     host_seq_rows: list[int] | None = None
+    # Every split holds at most one loop step of keys (fits_one_block, known on the host):
+    # the kernel then reads the cached keys before waiting for the previous kernel.
+    one_block: bool = False
 
 
 def _next_power_of_2(n: int) -> int:
@@ -78,6 +81,12 @@ def decode_splits(batch_size: int, num_kv_heads: int, max_keys: int, num_sms: in
     split shorter than 128 keys (its fixed cost would dominate)."""
     want = min(-(-4 * num_sms // (batch_size * num_kv_heads)), -(-max_keys // 128), 64)
     return 1 << (max(1, want).bit_length() - 1)
+
+
+def fits_one_block(max_seq_len: int, num_splits: int) -> bool:
+    """Whether every split of a decode over sequences of at most max_seq_len keys is one
+    loop step of the kernel (PagedBatch.one_block)."""
+    return max_seq_len <= num_splits * LAUNCH["block_n"]
 
 
 def paged_attention(
@@ -209,6 +218,7 @@ def _paged_triton(
         HAS_SLIDING=window.sliding is not None,
         HAS_CHUNK=window.chunk is not None,
         LOCAL=not window.is_full,
+        ONE_BLOCK=batch.one_block and launch["block_n"] >= LAUNCH["block_n"],
         PDL=bool(pdl_launch),
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
@@ -240,20 +250,34 @@ def _paged_triton(
 if triton is not None:
 
     @triton.jit
-    def _attend_keys(
-        q, q_pos, first_pos, m_i, l_i, acc, n0, end, row, kv_head, tables_ptr, k_ptr, v_ptr,
-        stride_table, stride_ks, stride_kh, stride_vs, stride_vh, scale_log2,
-        d, d_ok, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr, LOCAL: tl.constexpr,
+    def _load_keys(
+        n0, lo, hi, row, kv_head, tables_ptr, k_ptr, v_ptr, stride_table, stride_ks, stride_kh, stride_vs,
+        stride_vh, d, d_ok, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     ):  # fmt: skip
-        """Online-softmax update of a tile's rows with keys n0 .. n0 + BLOCK_N - 1 (< end),
-        found through the sequence's block table; LOCAL: row r sees keys from first_pos[r]."""
+        """(k, v) [BLOCK_N, D_PAD] of keys n0 .. n0 + BLOCK_N - 1, those in lo .. hi - 1 found
+        through the sequence's block table, the others 0."""
         n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < end
+        n_ok = (n >= lo) & (n < hi)
         page = tl.load(tables_ptr + row * stride_table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
         slot = page * PAGE + n % PAGE
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask)
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask)
+        k = tl.load(
+            k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0
+        )
+        v = tl.load(
+            v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0
+        )
+        return k, v
+
+    @triton.jit
+    def _attend_keys(
+        q, q_pos, first_pos, m_i, l_i, acc, k, v, n0, end, scale_log2,
+        BLOCK_N: tl.constexpr, IEEE: tl.constexpr, LOCAL: tl.constexpr,
+    ):  # fmt: skip
+        """Online-softmax update of a tile's rows with keys n0 .. n0 + BLOCK_N - 1 (< end),
+        k and v from _load_keys; LOCAL: row r sees keys from first_pos[r]."""
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -315,11 +339,17 @@ if triton is not None:
         HAS_SLIDING: tl.constexpr,
         HAS_CHUNK: tl.constexpr,
         LOCAL: tl.constexpr,
+        ONE_BLOCK: tl.constexpr,  # every split holds at most BLOCK_N keys (PagedBatch.one_block)
         PDL: tl.constexpr = False,
     ):
         # One program: QUERIES queries of one sequence x the GROUP query heads of one KV
         # head (rows query-major), over one split of the keys they may see.
-        wait_for_previous(PDL)
+        # Until wait_for_previous (PDL, ringserve.pdl) it reads only what kernels before the
+        # previous one wrote: the step's metadata and block tables, and (ONE_BLOCK) the keys
+        # cached before this step (the previous kernel writes this step's own). These
+        # dependent loads then overlap the previous kernel instead of following it. Only a
+        # kernel with no loop over the keys gains from the early keys: with the loop compiled
+        # in, it measured 14% slower at 128K (bench/bench_decode_chain.py, BENCHMARKS.md).
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -329,53 +359,76 @@ if triton is not None:
         q_start = tl.load(cu_q_ptr + seq)
         q_len = tl.load(cu_q_ptr + seq + 1) - q_start
         seq_len = tl.load(seq_lens_ptr + seq)
+        cached = seq_len - q_len  # keys before this step's: written by earlier steps
 
         m = tl.arange(0, QUERIES * GROUP_PAD)
         qi = q0 + m // GROUP_PAD
         g = m % GROUP_PAD
         row_ok = (qi < q_len) & (g < GROUP)
         head = kv_head * GROUP + g
-        q_pos = seq_len - q_len + qi  # each row's global position
+        q_pos = cached + qi  # each row's global position
         d = tl.arange(0, D_PAD)
         d_ok = d < HEAD_DIM
-        q_offs = (q_start + qi).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
         # Keys up to the tile's last query, from the first block its first query sees (a
         # window's earlier blocks are never visited), cut into NUM_SPLITS runs of whole BLOCK_Ns.
-        kv_end = seq_len - q_len + tl.minimum(q0 + QUERIES, q_len)
+        kv_end = cached + tl.minimum(q0 + QUERIES, q_len)
         first_pos = tl.zeros_like(q_pos)
         kv_start = seq_len * 0
         if HAS_SLIDING:
             first_pos = tl.maximum(first_pos, q_pos - sliding + 1)
-            kv_start = tl.maximum(kv_start, seq_len - q_len + q0 - sliding + 1)
+            kv_start = tl.maximum(kv_start, cached + q0 - sliding + 1)
         if HAS_CHUNK:
             first_pos = tl.maximum(first_pos, q_pos // chunk * chunk)
-            kv_start = tl.maximum(kv_start, (seq_len - q_len + q0) // chunk * chunk)
+            kv_start = tl.maximum(kv_start, (cached + q0) // chunk * chunk)
         kv_start = kv_start // PAGE * PAGE
         per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
         start = kv_start + split * per_split
         end = tl.minimum(start + per_split, kv_end)
 
+        if ONE_BLOCK:  # the caller knows each split is one BLOCK_N: its cached keys now
+            k_first, v_first = _load_keys(
+                start, start, tl.minimum(end, cached), row, kv_head, tables_ptr, k_ptr, v_ptr, stride_table,
+                stride_ks, stride_kh, stride_vs, stride_vh, d, d_ok, BLOCK_N, PAGE,
+            )  # fmt: skip
+
+        wait_for_previous(PDL)
+        q_offs = (q_start + qi).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         m_i = tl.full([QUERIES * GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([QUERIES * GROUP_PAD], tl.float32)
         acc = tl.zeros([QUERIES * GROUP_PAD, D_PAD], tl.float32)
-        if INTERPRET:  # Triton's CPU interpreter cannot run a for loop over loaded bounds
+        if ONE_BLOCK:  # this step's keys, from the previous kernel, then the one update
+            k_new, v_new = _load_keys(
+                start, tl.maximum(start, cached), end, row, kv_head, tables_ptr, k_ptr, v_ptr, stride_table,
+                stride_ks, stride_kh, stride_vs, stride_vh, d, d_ok, BLOCK_N, PAGE,
+            )  # fmt: skip
+            is_cached = (start + tl.arange(0, BLOCK_N) < cached)[:, None]
+            if start < end:
+                m_i, l_i, acc = _attend_keys(
+                    q, q_pos, first_pos, m_i, l_i, acc, tl.where(is_cached, k_first, k_new),
+                    tl.where(is_cached, v_first, v_new), start, end, scale_log2, BLOCK_N, IEEE, LOCAL,
+                )  # fmt: skip
+        elif INTERPRET:  # Triton's CPU interpreter cannot run a for loop over loaded bounds
             n0 = start
             while n0 < end:
-                m_i, l_i, acc = _attend_keys(
-                    q, q_pos, first_pos, m_i, l_i, acc, n0, end, row, kv_head, tables_ptr, k_ptr, v_ptr,
-                    stride_table, stride_ks, stride_kh, stride_vs, stride_vh, scale_log2,
-                    d, d_ok, BLOCK_N, PAGE, IEEE, LOCAL,
+                k, v = _load_keys(
+                    n0, n0, end, row, kv_head, tables_ptr, k_ptr, v_ptr, stride_table,
+                    stride_ks, stride_kh, stride_vs, stride_vh, d, d_ok, BLOCK_N, PAGE,
                 )  # fmt: skip
+                m_i, l_i, acc = _attend_keys(
+                    q, q_pos, first_pos, m_i, l_i, acc, k, v, n0, end, scale_log2, BLOCK_N, IEEE, LOCAL
+                )
                 n0 += BLOCK_N
         else:
             for n0 in range(start, end, BLOCK_N):
-                m_i, l_i, acc = _attend_keys(
-                    q, q_pos, first_pos, m_i, l_i, acc, n0, end, row, kv_head, tables_ptr, k_ptr, v_ptr,
-                    stride_table, stride_ks, stride_kh, stride_vs, stride_vh, scale_log2,
-                    d, d_ok, BLOCK_N, PAGE, IEEE, LOCAL,
+                k, v = _load_keys(
+                    n0, n0, end, row, kv_head, tables_ptr, k_ptr, v_ptr, stride_table,
+                    stride_ks, stride_kh, stride_vs, stride_vh, d, d_ok, BLOCK_N, PAGE,
                 )  # fmt: skip
+                m_i, l_i, acc = _attend_keys(
+                    q, q_pos, first_pos, m_i, l_i, acc, k, v, n0, end, scale_log2, BLOCK_N, IEEE, LOCAL
+                )
 
         seen = l_i > 0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]

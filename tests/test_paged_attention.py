@@ -21,7 +21,7 @@ from ringserve import paged_attention as pa
 from ringserve.attention import VarlenBatch, _math_varlen
 from ringserve.config import AttentionWindow
 
-def case(q_lens, seq_lens, nh, nkv, d, splits, bs=4, seed=0, window=AttentionWindow()):
+def case(q_lens, seq_lens, nh, nkv, d, splits, bs=4, seed=0, window=AttentionWindow(), one_block=False):
     dtype = torch.float32
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // bs) for n in seq_lens) + 3
@@ -49,7 +49,8 @@ def case(q_lens, seq_lens, nh, nkv, d, splits, bs=4, seed=0, window=AttentionWin
     tile_q0 = [q0 for n in q_lens for q0 in range(0, n, qpt)]
     i32 = lambda x: torch.tensor(x, dtype=torch.int32)
     batch = pa.PagedBatch(i32(rows), i32(cu), i32(seq_lens), i32(tile_seq), i32(tile_q0), qpt, splits,
-                          cu, list(seq_lens), rows)
+                          cu, list(seq_lens), rows, one_block=one_block)
+    assert not one_block or pa.fits_one_block(max(seq_lens), splits)
     visible_tables = tables.clone()
     for row, n, ql in zip(rows, seq_lens, q_lens):
         tables[row, : window.first_visible(n - ql) // bs] = poison
@@ -86,6 +87,11 @@ case([7, 1, 20, 70], [30, 9, 20, 150], nh=4, nkv=2, d=16, splits=1, window=slidi
 chunked = AttentionWindow(chunk=16)
 case([1, 1, 1], [5, 64, 131], nh=4, nkv=2, d=16, splits=2, window=chunked)
 case([7, 1, 20, 70], [30, 9, 20, 150], nh=4, nkv=2, d=16, splits=1, window=chunked)
+# one loop step per split (PagedBatch.one_block): the cached keys read apart from this step's
+case([1, 1, 1, 1], [1, 5, 64, 131], nh=4, nkv=2, d=16, splits=4, one_block=True)
+case([1, 1], [128, 3], nh=8, nkv=1, d=32, splits=2, one_block=True)  # a full step each
+case([1, 1, 1], [5, 64, 131], nh=4, nkv=2, d=16, splits=8, window=sliding, one_block=True)
+case([1, 1, 1], [5, 64, 131], nh=4, nkv=2, d=16, splits=4, window=chunked, one_block=True)
 # (bfloat16 is checked on the GPU, bench/gpu_checks.py: the interpreter mangles bf16 stores.)
 print("ok")
 """

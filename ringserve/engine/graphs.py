@@ -5,7 +5,10 @@ A decode step of B sequences runs as the smallest bucket >= B; its inputs (token
 row, length per sequence) are copied into static buffers, padded with rows that use the
 block tables' pad row: they write only the KV cache's scratch block and see no key, so real
 rows are unchanged. Graphs are captured at start-up, largest bucket first, in one memory
-pool; steps above the largest bucket, prefill and mixed steps run eagerly.
+pool; steps above the largest bucket, prefill and mixed steps run eagerly. A bucket whose
+split-KV has more than one split also has a graph for short contexts, where every split is
+one loop step of the paged kernel (PagedBatch.one_block): its cached keys are read while
+the kernel before it runs (-0.07 ms a step at batch 1, BENCHMARKS.md).
 
 Without capture (CPU, or to test the padding) `run` calls the same padded forward eagerly.
 """
@@ -18,7 +21,7 @@ import time
 import torch
 
 from ringserve.engine.step_state import fill_pending_tokens
-from ringserve.paged_attention import decode_splits
+from ringserve.paged_attention import decode_splits, fits_one_block
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +43,7 @@ class DecodeGraphs:
         # Rows: token ids, positions, block-table rows, sequence lengths; [4, largest] int64.
         self.inputs = torch.zeros(4, largest, dtype=torch.int64, device=dev)
         self.logits = None  # [largest, V] float32, written by every bucket's graph
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (bucket, one_block)
         # Split-KV is fixed per bucket (a graph's launch grid cannot change): sized for the
         # longest context, a short one leaves most splits empty, which costs little.
         self.splits = {
@@ -49,15 +52,22 @@ class DecodeGraphs:
             else 1
             for b in self.buckets
         }
+        self.variants = {b: (False, True) if self.splits[b] > 1 else (False,) for b in self.buckets}
         if capture:
             self._capture_all()
 
     def fits(self, step) -> bool:
         return len(step.rows) <= self.buckets[-1]
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def graph_key(self, batch: int, longest: int) -> tuple[int, bool]:
+        """(bucket, one_block) that runs a decode step of `batch` sequences, the longest of
+        them `longest` keys long after it."""
+        b = next(size for size in self.buckets if size >= batch)
+        return b, True in self.variants[b] and fits_one_block(longest, self.splits[b])
+
+    def _forward(self, b: int, one_block: bool) -> torch.Tensor:
         ids, positions, rows, lens = self.inputs[:, :b]
-        logits = self.runner.decode_logits(ids, positions, rows, lens, self.splits[b])
+        logits = self.runner.decode_logits(ids, positions, rows, lens, self.splits[b], one_block)
         if self.logits is None:
             self.logits = torch.empty(
                 self.inputs.shape[1], logits.shape[1], dtype=logits.dtype, device=logits.device
@@ -71,15 +81,16 @@ class DecodeGraphs:
         self._fill_padding(self.buckets[-1], 0)
         with torch.inference_mode():
             for b in reversed(self.buckets):
-                self._forward(b)  # warm-up: kernels compiled, workspaces made outside the graph
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._forward(b)
-                self.graphs[b] = graph
+                for one_block in self.variants[b]:
+                    self._forward(b, one_block)  # warm-up: kernels compiled, workspaces made outside
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._forward(b, one_block)
+                    self.graphs[b, one_block] = graph
         torch.cuda.synchronize()
         logger.info(
-            "captured %d decode CUDA graphs (batch %s) in %.1f s",
+            "captured %d decode CUDA graphs (batch %s; short contexts apart where split) in %.1f s",
             len(self.graphs),
             ", ".join(map(str, self.buckets)),
             time.monotonic() - begin,
@@ -93,7 +104,7 @@ class DecodeGraphs:
         """Logits [B, V] of a decode step (block tables already updated); pending_tokens:
         the previous step's sampled ids, for the rows step.pending names."""
         n = len(step.rows)
-        b = next(size for size in self.buckets if size >= n)
+        b, one_block = self.graph_key(n, max(step.starts) + 1)
         host = torch.tensor(
             [
                 [tokens[0] for tokens in step.token_ids],
@@ -109,8 +120,8 @@ class DecodeGraphs:
             fill_pending_tokens(self.inputs[0], step.pending, pending_tokens)
         if b > n:
             self._fill_padding(b, n)
-        if b in self.graphs:
-            self.graphs[b].replay()
+        if (b, one_block) in self.graphs:
+            self.graphs[b, one_block].replay()
             return self.logits[:n]
         with torch.inference_mode():
-            return self._forward(b)[:n]
+            return self._forward(b, one_block)[:n]

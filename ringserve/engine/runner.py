@@ -11,7 +11,7 @@ from ringserve.engine.kv_cache import KVCache
 from ringserve.engine.step_input import StepInput
 from ringserve.engine.step_state import BlockTables, fill_pending_tokens
 from ringserve.model import Transformer
-from ringserve.paged_attention import PagedBatch, decode_splits, tile_queries
+from ringserve.paged_attention import PagedBatch, decode_splits, fits_one_block, tile_queries
 from ringserve.parallel.comm import all_gather_stacked
 from ringserve.parallel.cp import RingAttention, RingStep
 
@@ -191,8 +191,9 @@ class ModelRunner:
             if decode and self.device.type == "cuda":
                 splits = decode_splits(b, self.num_kv_heads, self.keys_read(max(seq_lens)), self.num_sms)
             paged = PagedBatch(
-                seq_rows_d, cu_q_d, seq_lens_d, tile_seq_d, tile_q0_d, qpt, splits, cu_q, seq_lens, step.rows
-            )
+                seq_rows_d, cu_q_d, seq_lens_d, tile_seq_d, tile_q0_d, qpt, splits, cu_q, seq_lens, step.rows,
+                one_block=decode and fits_one_block(max(seq_lens), splits),
+            )  # fmt: skip
             ctx = self._context(slots, paged=paged)
         return ids, pos, ctx, logit_rows_d
 
@@ -216,10 +217,13 @@ class ModelRunner:
             windows=self.model.config.attention_windows,
         )
 
-    def decode_logits(self, input_ids, positions, rows, seq_lens, num_splits: int) -> torch.Tensor:
+    def decode_logits(
+        self, input_ids, positions, rows, seq_lens, num_splits: int, one_block: bool = False
+    ) -> torch.Tensor:
         """A decode step from device tensors alone (what a CUDA graph captures): input_ids,
         positions, rows, seq_lens [B] int64 -> logits [B, V] float32. Padded rows (the pad
-        row, length 0) write only the scratch block and see no key."""
+        row, length 0) write only the scratch block and see no key. one_block: the caller
+        knows every length fits one loop step per split (PagedBatch.one_block)."""
         b = input_ids.shape[0]
         paged = PagedBatch(
             rows.to(torch.int32),
@@ -229,6 +233,7 @@ class ModelRunner:
             self._zeros[:b],
             1,
             num_splits,
+            one_block=one_block,
         )
         ctx = self._context(self._slots(rows, positions), paged=paged)
         hidden = self.model(input_ids, positions, ctx)

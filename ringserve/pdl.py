@@ -7,10 +7,13 @@ finished and its writes are visible. A decode step is ~300 short
 kernels back to back (a few microseconds each), and each one's launch, ramp and first
 loads otherwise start only after the previous one has drained.
 
-The rule every PDL kernel keeps: before `wait_for_previous` it reads nothing that an
-earlier kernel writes and writes nothing at all. Ours call it first thing. (Reading the
-first weight tiles before it, into registers or L2, was measured slower:
-bench/bench_decode_chain.py, BENCHMARKS.md.)
+The rule every PDL kernel keeps: before `wait_for_previous` it writes nothing and reads
+nothing that the kernel just before it may write. Kernels further back have finished by
+then (that kernel only let this one launch after its own wait), so the step's metadata and
+the KV cache of earlier steps may be read early: the paged kernel does
+(ringserve.paged_attention). The others call it first thing. (Reading the first weight
+tiles before it, into registers or L2, was measured slower: bench/bench_decode_chain.py,
+BENCHMARKS.md.)
 """
 
 from __future__ import annotations

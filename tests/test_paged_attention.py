@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ringserve import LLM, SamplingParams
+from ringserve import paged_attention as pa
 from ringserve.engine.graphs import DecodeGraphs, decode_buckets
 from ringserve.engine.scheduler import ScheduledBatch
 from ringserve.engine.sequence import Sequence
@@ -222,3 +223,17 @@ def test_step_preparation_does_not_grow_with_cached_context(llama_engine):
         for seq in seqs:
             engine.scheduler.finish(seq)
     assert counts[0] == counts[1], counts
+
+
+def test_short_context_graph_is_chosen_only_where_every_split_is_one_step(llama_engine):
+    """A bucket with split-KV runs its short-context graph (PagedBatch.one_block) while the
+    longest sequence fits one loop step per split, and the general graph beyond; a bucket
+    without splits has only the general one. (The CPU sizes no splits: set here as a GPU
+    engine would.)"""
+    graphs = DecodeGraphs(llama_engine.executor.worker.runner, max_batch=8, capture=False)
+    graphs.splits.update({1: 4, 2: 1})
+    step_keys = pa.LAUNCH["block_n"]
+    assert graphs.graph_key(1, 4 * step_keys) == (1, True)
+    assert graphs.graph_key(1, 4 * step_keys + 1) == (1, False)
+    assert graphs.graph_key(2, 5) == (2, False)
+    assert graphs.graph_key(3, 5)[0] == 4

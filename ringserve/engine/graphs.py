@@ -8,7 +8,8 @@ rows are unchanged. Graphs are captured at start-up, largest bucket first, in on
 pool; steps above the largest bucket, prefill and mixed steps run eagerly. A bucket whose
 split-KV has more than one split also has a graph for short contexts, where every split is
 one loop step of the paged kernel (PagedBatch.one_block): its cached keys are read while
-the kernel before it runs (-0.07 ms a step at batch 1, BENCHMARKS.md).
+the kernel before it runs (about -0.05 ms a step at batch 1 in bench_decode_chain,
+BENCHMARKS.md).
 
 Without capture (CPU, or to test the padding) `run` calls the same padded forward eagerly.
 """
@@ -52,7 +53,6 @@ class DecodeGraphs:
             else 1
             for b in self.buckets
         }
-        self.variants = {b: (False, True) if self.splits[b] > 1 else (False,) for b in self.buckets}
         if capture:
             self._capture_all()
 
@@ -63,7 +63,7 @@ class DecodeGraphs:
         """(bucket, one_block) that runs a decode step of `batch` sequences, the longest of
         them `longest` keys long after it."""
         b = next(size for size in self.buckets if size >= batch)
-        return b, True in self.variants[b] and fits_one_block(longest, self.splits[b])
+        return b, self.splits[b] > 1 and fits_one_block(longest, self.splits[b])
 
     def _forward(self, b: int, one_block: bool) -> torch.Tensor:
         ids, positions, rows, lens = self.inputs[:, :b]
@@ -81,7 +81,7 @@ class DecodeGraphs:
         self._fill_padding(self.buckets[-1], 0)
         with torch.inference_mode():
             for b in reversed(self.buckets):
-                for one_block in self.variants[b]:
+                for one_block in (False, True) if self.splits[b] > 1 else (False,):
                     self._forward(b, one_block)  # warm-up: kernels compiled, workspaces made outside
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()

@@ -88,8 +88,8 @@ def make_norm(config: ModelConfig, dim: int) -> RMSNorm:
 class Linear(nn.Linear):
     """nn.Linear; at decode batch sizes on a GPU its matmul is ringserve's skinny kernel."""
 
-    def forward(self, x):
-        return linear(x, self.weight, self.bias)
+    def forward(self, x, out=None):
+        return linear(x, self.weight, self.bias, out=out)
 
 
 class MergedLinear(Linear):
@@ -477,8 +477,10 @@ class Transformer(nn.Module):
         layers = self.model.layers
         return [layer.mlp for i, layer in enumerate(layers) if self.config.layer_is_sparse(i)]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, V_local] float32: this rank's vocabulary rows (all of them on one rank)."""
-        logits = self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, H] -> [N, V_local] float32: this rank's vocabulary rows (all of them on one rank),
+        rounded to the model's dtype first as HF's `.float()`; written into out when given
+        (a decode graph's static logits: no copy after the matmul)."""
+        logits = self.lm_head(hidden).float() if out is None else self.lm_head(hidden, out=out)
         cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)

@@ -42,14 +42,21 @@ _ACTIVATION_CODE = {"silu": 1, "gelu_pytorch_tanh": 2}
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pdl: bool = True
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    pdl: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias), x [M, K], weight [N, K]; the skinny kernel where it pays
-    (pdl: launched with programmatic dependent launch where the GPU has it, ringserve.pdl)."""
+    (pdl: launched with programmatic dependent launch where the GPU has it, ringserve.pdl).
+    out: a contiguous [M, N] tensor (float32 for the LM head's logits) to write the result
+    into, rounded to x's dtype first, as F.linear(...).to(out.dtype) would be."""
     plan = skinny_plan(x, weight)
     if plan is None:
-        return F.linear(x, weight, bias)
-    return skinny_linear(x, weight, bias, plan, pdl=pdl)
+        y = F.linear(x, weight, bias)
+        return y if out is None else out.copy_(y)
+    return skinny_linear(x, weight, bias, plan, pdl=pdl, out=out)
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, activation: str, pdl: bool = True) -> torch.Tensor:
@@ -103,12 +110,16 @@ def skinny_linear(
     plan: tuple[int, int, int],
     activation: str | None = None,
     pdl: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x @ weight^T + bias; with an activation, act(gate) * up of the two halves of weight."""
+    """x @ weight^T + bias; with an activation, act(gate) * up of the two halves of weight.
+    out: [M, N] contiguous, of any float dtype, written instead of a new tensor of x's."""
     m, k = x.shape
     n = weight.shape[0] if activation is None else weight.shape[0] // 2
     block_n, block_k, stages = plan
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is not None and (out.shape != (m, n) or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous [{m}, {n}] tensor, not {tuple(out.shape)}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     launch = launch_options(x, pdl)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else y, y, m, n, x.stride(0), K=k, HAS_BIAS=bias is not None,
@@ -174,8 +185,9 @@ if triton is not None:
         )  # fmt: skip
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        dt = x_ptr.dtype.element_ty
         if ACT != 0:
-            acc = gated_activation(acc, acc_up, y_ptr.dtype.element_ty, ACT)
-        tl.store(
-            y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_ok[None, :]
-        )
+            acc = gated_activation(acc, acc_up, dt, ACT)
+        # Rounded to x's dtype whatever y's (float32 logits hold the bfloat16 values).
+        y = acc.to(dt).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], y, mask=m_ok & n_ok[None, :])

@@ -109,6 +109,20 @@ x[5, -1] = 50.0  # in the last, partial chunk
 for chunk in (64, 128, 4096):
     got = S._argmax_triton(x, chunk=chunk)
     assert torch.equal(got, x.argmax(dim=-1)), (chunk, got, x.argmax(dim=-1))
+# A decode step's rows, lengths and KV slots in one kernel (engine/step_state.py) against the
+# torch form: the inputs a slice of a wider buffer (as DecodeGraphs passes them), two KV
+# groups, positions either side of block boundaries (blocks of 16), a pad row.
+from ringserve.engine import step_state as St
+tables = torch.randint(0, 50, (2, 6, 9), dtype=torch.int32)
+buffer = torch.zeros(4, 24, dtype=torch.int64)
+buffer[1, :5] = torch.tensor([0, 15, 16, 63, 130])
+buffer[2, :5] = torch.tensor([3, 0, 5, 1, 2])
+buffer[3, :5] = buffer[1, :5] + 1
+got = St._decode_step_triton(buffer[:, :5], tables, 16)
+want = St.decode_step_tensors(buffer[:, :5], tables, 16)
+for g, w in zip(got, want):
+    assert g.dtype == w.dtype and torch.equal(g, w), (g, w)
+assert got[2][1, 4] == tables[1, 2, 8] * 16 + 2 and got[2][0, 2] == tables[0, 5, 1] * 16
 print("ok")
 """
 

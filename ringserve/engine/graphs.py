@@ -43,7 +43,8 @@ class DecodeGraphs:
         dev = runner.device
         # Rows: token ids, positions, block-table rows, sequence lengths; [4, largest] int64.
         self.inputs = torch.zeros(4, largest, dtype=torch.int64, device=dev)
-        self.logits = None  # [largest, V] float32, written by every bucket's graph
+        # [largest, V] float32, written by every bucket's graph (the LM head's own output)
+        self.logits = torch.empty(largest, runner.model.config.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (bucket, one_block)
         # Split-KV is fixed per bucket (a graph's launch grid cannot change): sized for the
         # longest context, a short one leaves most splits empty, which costs little.
@@ -66,14 +67,7 @@ class DecodeGraphs:
         return b, self.splits[b] > 1 and fits_one_block(longest, self.splits[b])
 
     def _forward(self, b: int, one_block: bool) -> torch.Tensor:
-        ids, positions, rows, lens = self.inputs[:, :b]
-        logits = self.runner.decode_logits(ids, positions, rows, lens, self.splits[b], one_block)
-        if self.logits is None:
-            self.logits = torch.empty(
-                self.inputs.shape[1], logits.shape[1], dtype=logits.dtype, device=logits.device
-            )
-        self.logits[:b].copy_(logits)
-        return self.logits[:b]
+        return self.runner.decode_logits(self.inputs[:, :b], self.splits[b], one_block, out=self.logits[:b])
 
     def _capture_all(self) -> None:
         begin = time.monotonic()
@@ -105,19 +99,20 @@ class DecodeGraphs:
         the previous step's sampled ids, for the rows step.pending names."""
         n = len(step.rows)
         b, one_block = self.graph_key(n, max(step.starts) + 1)
+        # One upload: the four input rows, then the (index, sampled row) pairs of step.pending.
         host = torch.tensor(
-            [
-                [tokens[0] for tokens in step.token_ids],
-                step.starts,
-                step.rows,
-                [start + 1 for start in step.starts],
-            ],
+            [tokens[0] for tokens in step.token_ids]
+            + step.starts
+            + step.rows
+            + [start + 1 for start in step.starts]
+            + [i for pair in step.pending for i in pair],
             dtype=torch.int64,
         )
         self.runner.host_elements += host.numel()
-        self.inputs[:, :n].copy_(host, non_blocking=True)
+        dev = self.runner.upload(host)
+        self.inputs[:, :n].copy_(dev[: 4 * n].view(4, n))
         if step.pending:
-            fill_pending_tokens(self.inputs[0], step.pending, pending_tokens)
+            fill_pending_tokens(self.inputs[0], dev[4 * n :].view(-1, 2), pending_tokens)
         if b > n:
             self._fill_padding(b, n)
         if (b, one_block) in self.graphs:

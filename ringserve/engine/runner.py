@@ -6,10 +6,11 @@ import torch
 import torch.distributed as dist
 
 from ringserve.attention import VarlenBatch
+from ringserve.engine.copy_streams import Uploads
 from ringserve.engine.forward_context import PagedAttentionContext, RingAttentionContext
 from ringserve.engine.kv_cache import KVCache
 from ringserve.engine.step_input import StepInput
-from ringserve.engine.step_state import BlockTables, fill_pending_tokens
+from ringserve.engine.step_state import BlockTables, decode_step_tensors, fill_pending_tokens, token_slots
 from ringserve.model import Transformer
 from ringserve.paged_attention import PagedBatch, decode_splits, fits_one_block, tile_queries
 from ringserve.parallel.comm import all_gather_stacked
@@ -55,8 +56,13 @@ class ModelRunner:
         for rotary in model.model.rotary_emb.values():  # every position a sequence can reach
             rotary.cache_tables(max_model_len, model.model.embed_tokens.weight.dtype)
         bs = kv_cache.block_size
+        self.upload = Uploads(device)  # every step's host-built tensors, on a side stream
         self.block_tables = BlockTables(
-            len(kv_cache.groups.groups), max_rows, -(-max_model_len // bs) + 1, kv_cache.pad_block, device
+            len(kv_cache.groups.groups),
+            max_rows,
+            -(-max_model_len // bs) + 1,
+            kv_cache.pad_block,
+            self.upload,
         )
         self.num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -155,20 +161,28 @@ class ModelRunner:
             + cu_q
             + seq_lens
             + tile_seq
-            + tile_q0,
+            + tile_q0
+            + [i for pair in step.pending for i in pair],
             dtype=torch.int64,
         )
         self.host_elements += host.numel()
-        dev = host.to(self.device, non_blocking=True)
+        dev = self.upload(host)
         t, b = len(input_ids), len(q_lens)
-        ids, pos, token_rows_d, logit_rows_d, small = dev.split(
-            [t, t, t, len(logit_rows), dev.numel() - 3 * t - len(logit_rows)]
+        ids, pos, token_rows_d, logit_rows_d, small, pending = dev.split(
+            [
+                t,
+                t,
+                t,
+                len(logit_rows),
+                dev.numel() - 3 * t - len(logit_rows) - 2 * len(step.pending),
+                2 * len(step.pending),
+            ]
         )
         if step.pending:
-            fill_pending_tokens(ids, step.pending, pending_tokens)
+            fill_pending_tokens(ids, pending.view(-1, 2), pending_tokens)
         small = small.to(torch.int32)
         seq_rows_d, cu_q_d, seq_lens_d, tiles = small.split([b, b + 1, b, small.numel() - 3 * b - 1])
-        slots = self._slots(token_rows_d, pos)
+        slots = token_slots(self.block_tables.tables, token_rows_d, pos, self.kv_cache.block_size)
         if fresh:
             varlen = VarlenBatch(
                 cu_seqlens_q=cu_q_d,
@@ -197,13 +211,6 @@ class ModelRunner:
             ctx = self._context(slots, paged=paged)
         return ids, pos, ctx, logit_rows_d
 
-    def _slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[groups, T] cache slot of each new token in each KV group, from its row's block
-        tables (on the device)."""
-        bs = self.kv_cache.block_size
-        blocks = self.block_tables.tables[:, rows, positions // bs].long()
-        return blocks * bs + positions % bs
-
     def _context(self, slots, dense=None, paged=None) -> PagedAttentionContext:
         return PagedAttentionContext(
             self.kv_cache,
@@ -217,27 +224,33 @@ class ModelRunner:
             windows=self.model.config.attention_windows,
         )
 
-    def decode_logits(
-        self, input_ids, positions, rows, seq_lens, num_splits: int, one_block: bool = False
-    ) -> torch.Tensor:
-        """A decode step from device tensors alone (what a CUDA graph captures): input_ids,
-        positions, rows, seq_lens [B] int64 -> logits [B, V] float32. Padded rows (the pad
-        row, length 0) write only the scratch block and see no key. one_block: the caller
-        knows every length fits one loop step per split (PagedBatch.one_block)."""
-        b = input_ids.shape[0]
+    def decode_logits(self, inputs, num_splits: int, one_block: bool = False, out=None) -> torch.Tensor:
+        """A decode step from device tensors alone (what a CUDA graph captures): inputs [4, B]
+        int64 (token ids, positions, block-table rows, lengths after the step) -> logits
+        [B, V] float32, written into out [B, V] when given. Padded rows (the pad row, length
+        0) write only the scratch block and see no key. one_block: the caller knows every
+        length fits one loop step per split (PagedBatch.one_block)."""
+        b = inputs.shape[1]
+        input_ids, positions = inputs[0], inputs[1]
+        rows, seq_lens, slots = decode_step_tensors(
+            inputs, self.block_tables.tables, self.kv_cache.block_size
+        )
         paged = PagedBatch(
-            rows.to(torch.int32),
+            rows,
             self._arange[: b + 1],
-            seq_lens.to(torch.int32),
+            seq_lens,
             self._arange[:b],
             self._zeros[:b],
             1,
             num_splits,
             one_block=one_block,
         )
-        ctx = self._context(self._slots(rows, positions), paged=paged)
+        ctx = self._context(slots, paged=paged)
         hidden = self.model(input_ids, positions, ctx)
-        return self._gather_vocab(self.model.compute_logits(hidden))
+        if self.tp_size == 1:
+            return self.model.compute_logits(hidden, out=out)
+        logits = self._gather_vocab(self.model.compute_logits(hidden))
+        return logits if out is None else out.copy_(logits)
 
     @torch.inference_mode()
     def forward(

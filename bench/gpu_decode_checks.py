@@ -124,10 +124,10 @@ def replay_and_padded_eager(folder: str, device: str, prompts):
             engine.add_request(p, params)
         engine.step()  # the prompts
         engine.step()  # the first decode step: a replay of the bucket
-        key = graphs.graph_key(len(prompts), max(map(len, prompts)) + 1)
-        replayed = graphs.logits[: key[0]].clone()
+        bucket, one_block = graphs.graph_key(len(prompts), max(map(len, prompts)) + 1)
+        replayed = graphs.logits[:bucket].clone()
         with torch.inference_mode():
-            eager = graphs._forward(*key).clone()
+            eager = graphs._forward(bucket, one_block).clone()
         return replayed, eager
     finally:
         engine.close()

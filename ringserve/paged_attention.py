@@ -83,13 +83,6 @@ def decode_splits(batch_size: int, num_kv_heads: int, max_keys: int, num_sms: in
     return 1 << (max(1, want).bit_length() - 1)
 
 
-def decode_launch(batch_size: int, num_kv_heads: int, max_keys: int, max_seq_len: int, num_sms: int):
-    """(splits, one_block) of a decode step whose queries read at most max_keys keys, the
-    longest sequence max_seq_len keys long (they differ under a window)."""
-    splits = decode_splits(batch_size, num_kv_heads, max_keys, num_sms)
-    return splits, fits_one_block(max_seq_len, splits)
-
-
 def fits_one_block(max_seq_len: int, num_splits: int) -> bool:
     """Whether every split of a decode over sequences of at most max_seq_len keys is one
     loop step of the kernel (PagedBatch.one_block)."""

@@ -5,7 +5,6 @@ engine's decode-graph padding and step preparation on the CPU."""
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -226,26 +225,15 @@ def test_step_preparation_does_not_grow_with_cached_context(llama_engine):
     assert counts[0] == counts[1], counts
 
 
-def test_decode_graph_is_chosen_by_the_keys_read_and_is_always_captured():
-    """A decode step's graph has the split count an eager step would take for its longest
-    sequence (8 of 128 keys at a 1K context, batch 1; not the 64 of the longest context),
-    the one-block kernel only where one split holds the context in one loop step, and every
-    key a step can ask for is among the captured ones. (The CPU splits nothing: the runner
-    stands in for an H200's, 132 multiprocessors and 8 KV heads.)"""
-    runner = SimpleNamespace(
-        device=torch.device("cpu"),
-        model=SimpleNamespace(config=SimpleNamespace(vocab_size=10)),
-        max_model_len=131072,
-        decode_launch=lambda batch, longest: pa.decode_launch(batch, 8, longest, longest, 132),
-    )
-    graphs = DecodeGraphs(runner, max_batch=64, capture=False)
-    assert graphs.graph_key(1, 1072) == (1, 8, False)
-    assert graphs.graph_key(1, 131072) == (1, 64, False)
-    assert graphs.graph_key(1, pa.LAUNCH["block_n"]) == (1, 1, True)
-    assert graphs.graph_key(1, pa.LAUNCH["block_n"] + 1) == (1, 1, False)
-    assert graphs.graph_key(3, 5) == (4, 1, True)
-    for b in (1, 2, 16, 64):
-        captured = set(graphs.captured_keys(b))
-        assert len(captured) == len(graphs.captured_keys(b))
-        asked = {graphs.graph_key(b, longest) for longest in range(1, runner.max_model_len + 1)}
-        assert asked == captured, (b, sorted(captured ^ asked))
+def test_short_context_graph_is_chosen_only_where_every_split_is_one_step(llama_engine):
+    """A bucket with split-KV runs its short-context graph (PagedBatch.one_block) while the
+    longest sequence fits one loop step per split, and the general graph beyond; a bucket
+    without splits has only the general one. (The CPU sizes no splits: set here as a GPU
+    engine would.)"""
+    graphs = DecodeGraphs(llama_engine.executor.worker.runner, max_batch=8, capture=False)
+    graphs.splits.update({1: 4, 2: 1})
+    step_keys = pa.LAUNCH["block_n"]
+    assert graphs.graph_key(1, 4 * step_keys) == (1, True)
+    assert graphs.graph_key(1, 4 * step_keys + 1) == (1, False)
+    assert graphs.graph_key(2, 5) == (2, False)
+    assert graphs.graph_key(3, 5)[0] == 4

@@ -1,17 +1,15 @@
-"""CUDA graphs of the decode step: one per batch-size bucket and split-KV count, replayed
-instead of launching every kernel from Python.
+"""CUDA graphs of the decode step: one per batch-size bucket, replayed instead of launching
+every kernel from Python.
 
 A decode step of B sequences runs as the smallest bucket >= B; its inputs (token, position,
 row, length per sequence) are copied into static buffers, padded with rows that use the
 block tables' pad row: they write only the KV cache's scratch block and see no key, so real
-rows are unchanged. A graph's launch grid cannot change, so each bucket has a graph for
-every split count its sequences' lengths can ask for (powers of two, `runner.decode_launch`,
-as an eager step picks them): a 1K context at batch 1 runs 8 splits of 128 keys, not the 64
-an engine sized for 128K needs at its longest (64 splits cost ~0.03 ms a step more there,
-bench/bench_decode_chain.py, BENCHMARKS.md). Contexts of at most 64 keys also have a graph
-of the paged kernel's one-block variant (PagedBatch.one_block). Graphs are captured at
-start-up, largest bucket first, in one memory pool; steps above the largest bucket, prefill
-and mixed steps run eagerly.
+rows are unchanged. Graphs are captured at start-up, largest bucket first, in one memory
+pool; steps above the largest bucket, prefill and mixed steps run eagerly. A bucket whose
+split-KV has more than one split also has a graph for short contexts, where every split is
+one loop step of the paged kernel (PagedBatch.one_block): its cached keys are read while
+the kernel before it runs (about -0.05 ms a step at batch 1 in bench_decode_chain,
+BENCHMARKS.md).
 
 Without capture (CPU, or to test the padding) `run` calls the same padded forward eagerly.
 """
@@ -24,6 +22,7 @@ import time
 import torch
 
 from ringserve.engine.step_state import fill_pending_tokens
+from ringserve.paged_attention import decode_splits, fits_one_block
 
 logger = logging.getLogger(__name__)
 
@@ -46,29 +45,29 @@ class DecodeGraphs:
         self.inputs = torch.zeros(4, largest, dtype=torch.int64, device=dev)
         # [largest, V] float32, written by every bucket's graph (the LM head's own output)
         self.logits = torch.empty(largest, runner.model.config.vocab_size, dtype=torch.float32, device=dev)
-        # by (bucket, splits, one_block): runner.decode_launch's choice for the step
-        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (bucket, one_block)
+        # Split-KV is fixed per bucket (a graph's launch grid cannot change): sized for the
+        # longest context, a short one leaves most splits empty, which costs little.
+        self.splits = {
+            b: decode_splits(b, runner.num_kv_heads, runner.keys_read(runner.max_model_len), runner.num_sms)
+            if dev.type == "cuda"
+            else 1
+            for b in self.buckets
+        }
         if capture:
             self._capture_all()
 
     def fits(self, step) -> bool:
         return len(step.rows) <= self.buckets[-1]
 
-    def graph_key(self, batch: int, longest: int) -> tuple[int, int, bool]:
-        """(bucket, splits, one_block) that runs a decode step of `batch` sequences, the
-        longest of them `longest` keys long after it."""
+    def graph_key(self, batch: int, longest: int) -> tuple[int, bool]:
+        """(bucket, one_block) that runs a decode step of `batch` sequences, the longest of
+        them `longest` keys long after it."""
         b = next(size for size in self.buckets if size >= batch)
-        return (b, *self.runner.decode_launch(b, longest))
+        return b, self.splits[b] > 1 and fits_one_block(longest, self.splits[b])
 
-    def captured_keys(self, b: int) -> list[tuple[int, int, bool]]:
-        """The graphs of bucket b: every split count up to the one its longest context takes
-        (decode_launch's are powers of two, growing with the context), and one split in one
-        block (the only one-block choice: a split is never shorter than 128 keys otherwise)."""
-        most, _ = self.runner.decode_launch(b, self.runner.max_model_len)
-        return [(b, 1 << i, False) for i in range(most.bit_length())] + [(b, 1, True)]
-
-    def _forward(self, b: int, splits: int, one_block: bool) -> torch.Tensor:
-        return self.runner.decode_logits(self.inputs[:, :b], splits, one_block, out=self.logits[:b])
+    def _forward(self, b: int, one_block: bool) -> torch.Tensor:
+        return self.runner.decode_logits(self.inputs[:, :b], self.splits[b], one_block, out=self.logits[:b])
 
     def _capture_all(self) -> None:
         begin = time.monotonic()
@@ -76,16 +75,16 @@ class DecodeGraphs:
         self._fill_padding(self.buckets[-1], 0)
         with torch.inference_mode():
             for b in reversed(self.buckets):
-                for key in self.captured_keys(b):
-                    self._forward(*key)  # warm-up: kernels compiled, workspaces made outside
+                for one_block in (False, True) if self.splits[b] > 1 else (False,):
+                    self._forward(b, one_block)  # warm-up: kernels compiled, workspaces made outside
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        self._forward(*key)
-                    self.graphs[key] = graph
+                        self._forward(b, one_block)
+                    self.graphs[b, one_block] = graph
         torch.cuda.synchronize()
         logger.info(
-            "captured %d decode CUDA graphs (batch %s; split-KV counts apart) in %.1f s",
+            "captured %d decode CUDA graphs (batch %s; short contexts apart where split) in %.1f s",
             len(self.graphs),
             ", ".join(map(str, self.buckets)),
             time.monotonic() - begin,
@@ -99,8 +98,7 @@ class DecodeGraphs:
         """Logits [B, V] of a decode step (block tables already updated); pending_tokens:
         the previous step's sampled ids, for the rows step.pending names."""
         n = len(step.rows)
-        key = self.graph_key(n, max(step.starts) + 1)
-        b = key[0]
+        b, one_block = self.graph_key(n, max(step.starts) + 1)
         # One upload: the four input rows, then the (index, sampled row) pairs of step.pending.
         host = torch.tensor(
             [tokens[0] for tokens in step.token_ids]
@@ -117,8 +115,8 @@ class DecodeGraphs:
             fill_pending_tokens(self.inputs[0], dev[4 * n :].view(-1, 2), pending_tokens)
         if b > n:
             self._fill_padding(b, n)
-        if key in self.graphs:
-            self.graphs[key].replay()
+        if (b, one_block) in self.graphs:
+            self.graphs[b, one_block].replay()
             return self.logits[:n]
         with torch.inference_mode():
-            return self._forward(*key)[:n]
+            return self._forward(b, one_block)[:n]

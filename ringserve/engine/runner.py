@@ -12,7 +12,7 @@ from ringserve.engine.kv_cache import KVCache
 from ringserve.engine.step_input import StepInput
 from ringserve.engine.step_state import BlockTables, decode_step_tensors, fill_pending_tokens, token_slots
 from ringserve.model import Transformer
-from ringserve.paged_attention import PagedBatch, decode_launch, fits_one_block, tile_queries
+from ringserve.paged_attention import PagedBatch, decode_splits, fits_one_block, tile_queries
 from ringserve.parallel.comm import all_gather_stacked
 from ringserve.parallel.cp import RingAttention, RingStep
 
@@ -72,14 +72,6 @@ class ModelRunner:
         self._zeros = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
         self.host_elements = 0  # host-built index elements, summed over steps (tests count them)
         self.graphs = None  # DecodeGraphs, set by the worker on CUDA unless eager is enforced
-
-    def decode_launch(self, batch: int, longest: int) -> tuple[int, bool]:
-        """(splits, one_block) of the paged kernel for a decode step of `batch` sequences, the
-        longest `longest` keys long: split-KV sized by the keys actually read (on the CPU one
-        split), and whether every split is one loop step (PagedBatch.one_block)."""
-        if self.device.type != "cuda":
-            return 1, fits_one_block(longest, 1)
-        return decode_launch(batch, self.num_kv_heads, self.keys_read(longest), longest, self.num_sms)
 
     def keys_read(self, context: int) -> int:
         """The most keys a decode query reads at this context length: the longest window's
@@ -209,10 +201,12 @@ class ModelRunner:
                 tile_seq_d, tile_q0_d = self._arange[:b], self._zeros[:b]
             else:
                 tile_seq_d, tile_q0_d = tiles.split(len(tile_seq))
-            splits, one_block = self.decode_launch(b, max(seq_lens)) if decode else (1, False)
+            splits = 1
+            if decode and self.device.type == "cuda":
+                splits = decode_splits(b, self.num_kv_heads, self.keys_read(max(seq_lens)), self.num_sms)
             paged = PagedBatch(
                 seq_rows_d, cu_q_d, seq_lens_d, tile_seq_d, tile_q0_d, qpt, splits, cu_q, seq_lens, step.rows,
-                one_block=one_block,
+                one_block=decode and fits_one_block(max(seq_lens), splits),
             )  # fmt: skip
             ctx = self._context(slots, paged=paged)
         return ids, pos, ctx, logit_rows_d

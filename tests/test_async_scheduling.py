@@ -155,7 +155,9 @@ def test_stop_string_ends_the_text_as_the_synchronous_engine_does(builtin_dir):
 
 def test_pending_tokens_reach_the_model_from_the_device(llama):
     """The placeholder the host holds must never reach the model: run the runner with a
-    step whose token is pending and compare with the real id given on the host."""
+    step whose token is pending and compare with the real id given on the host; on the
+    eager path, and on the decode graphs' (run without capture on the CPU)."""
+    from ringserve.engine.graphs import DecodeGraphs
     from ringserve.engine.step_input import StepInput
 
     with LLM(llama, device="cpu", dtype="float32", enable_prefix_caching=False) as llm:
@@ -169,4 +171,7 @@ def test_pending_tokens_reach_the_model_from_the_device(llama):
         pending = StepInput([0], [[-1]], [10], [True], [], pending=[(0, 2)])
         sampled = torch.tensor([7, 8, 42])  # the previous step's ids; row 2 is this sequence's
         got = runner.forward(pending, pending_tokens=sampled)
+        runner.graphs = DecodeGraphs(runner, max_batch=4, capture=False)
+        got_graphs = runner.forward(pending, pending_tokens=sampled)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(got_graphs, expected, rtol=0, atol=0)

@@ -146,8 +146,6 @@ class LLMEngine:
         self.cp_steps: collections.Counter[str] = collections.Counter()  # steps per ring that ran
         self.async_scheduling = options.resolved_async_scheduling(self.device)
         self._inflight: LaunchedStep | None = None  # launched, its tokens not read yet
-        # sampled tokens go to the host on their own stream (engine/copy_streams.py)
-        self._download_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._undelivered: list[RequestOutput] = []  # read by a step that then raised
         self.steps_scheduled_ahead = 0  # steps launched before the previous one's tokens were read
         logger.info(
@@ -341,7 +339,7 @@ class LLMEngine:
         if errors:
             logits, sampling = logits[kept], [sampling[i] for i in kept]
         logprobs = _sampled_logprobs(logits, sampling, tokens)
-        return LaunchedStep(batch, sampling, tokens, logprobs, no_token, failed, self._download_stream)
+        return LaunchedStep(batch, sampling, tokens, logprobs, no_token, failed)
 
     def _commit(self, launched: LaunchedStep) -> list[RequestOutput]:
         """The host's record of a launched step: computed tokens, full blocks offered to the

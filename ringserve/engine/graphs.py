@@ -109,7 +109,7 @@ class DecodeGraphs:
             dtype=torch.int64,
         )
         self.runner.host_elements += host.numel()
-        dev = self.runner.upload(host)
+        dev = host.to(self.inputs.device, non_blocking=True)
         self.inputs[:, :n].copy_(dev[: 4 * n].view(4, n))
         if step.pending:
             fill_pending_tokens(self.inputs[0], dev[4 * n :].view(-1, 2), pending_tokens)

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ringserve.engine.copy_streams import download
 from ringserve.engine.logprobs import DeviceLogprobs
 from ringserve.engine.scheduler import ScheduledBatch
 from ringserve.engine.sequence import Sequence
@@ -25,17 +24,19 @@ class LaunchedStep:
     logprobs: tuple[list[int], DeviceLogprobs] | None
     no_token: list[Sequence]  # max_tokens=0: end after this step's prefill without a token
     failed: list[tuple[Sequence, Exception]]  # sequences whose sampling failed: they end alone
-    # the stream that copies `tokens` to the host (engine/copy_streams.py); None: the current one
-    download_stream: torch.cuda.Stream | None = None
     row_of: dict[str, int] = field(init=False)  # request id -> its row of `tokens`
     _host: torch.Tensor = field(init=False)  # [S] int64, the tokens' copy on the host
     _ready: torch.cuda.Event | None = field(init=False)
 
     def __post_init__(self):
         self.row_of = {seq.request_id: i for i, seq in enumerate(self.sampling)}
-        self._host, self._ready = download(
-            self.tokens, self.download_stream
-        )  # read_tokens waits for it alone
+        if self.tokens.is_cuda:  # start the copy now; read_tokens waits for it alone
+            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self._host.copy_(self.tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = self.tokens, None
 
     def read_tokens(self) -> list[int]:
         if self._ready is not None:

@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 
 from ringserve.attention import VarlenBatch
-from ringserve.engine.copy_streams import Uploads
 from ringserve.engine.forward_context import PagedAttentionContext, RingAttentionContext
 from ringserve.engine.kv_cache import KVCache
 from ringserve.engine.step_input import StepInput
@@ -56,13 +55,8 @@ class ModelRunner:
         for rotary in model.model.rotary_emb.values():  # every position a sequence can reach
             rotary.cache_tables(max_model_len, model.model.embed_tokens.weight.dtype)
         bs = kv_cache.block_size
-        self.upload = Uploads(device)  # every step's host-built tensors, on a side stream
         self.block_tables = BlockTables(
-            len(kv_cache.groups.groups),
-            max_rows,
-            -(-max_model_len // bs) + 1,
-            kv_cache.pad_block,
-            self.upload,
+            len(kv_cache.groups.groups), max_rows, -(-max_model_len // bs) + 1, kv_cache.pad_block, device
         )
         self.num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -166,17 +160,10 @@ class ModelRunner:
             dtype=torch.int64,
         )
         self.host_elements += host.numel()
-        dev = self.upload(host)
-        t, b = len(input_ids), len(q_lens)
+        dev = host.to(self.device, non_blocking=True)
+        t, b, p = len(input_ids), len(q_lens), 2 * len(step.pending)
         ids, pos, token_rows_d, logit_rows_d, small, pending = dev.split(
-            [
-                t,
-                t,
-                t,
-                len(logit_rows),
-                dev.numel() - 3 * t - len(logit_rows) - 2 * len(step.pending),
-                2 * len(step.pending),
-            ]
+            [t, t, t, len(logit_rows), dev.numel() - 3 * t - len(logit_rows) - p, p]
         )
         if step.pending:
             fill_pending_tokens(ids, pending.view(-1, 2), pending_tokens)

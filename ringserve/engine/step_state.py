@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from ringserve.engine.copy_streams import Uploads
-
 try:
     import triton
     import triton.language as tl
@@ -28,12 +26,11 @@ class BlockTables:
     (kv_groups.py); the last row belongs to padded batch rows and points only at the KV
     cache's scratch block. Its shape never changes, so CUDA graphs capture it."""
 
-    def __init__(self, num_groups: int, max_rows: int, max_blocks: int, pad_block: int, upload: Uploads):
+    def __init__(self, num_groups: int, max_rows: int, max_blocks: int, pad_block: int, device: torch.device):
         self.pad_row = max_rows
         self.pad_block = pad_block
-        self.device = upload.device
-        self.upload = upload
-        self.tables = torch.zeros(num_groups, max_rows + 1, max_blocks, dtype=torch.int32, device=self.device)
+        self.device = torch.device(device)
+        self.tables = torch.zeros(num_groups, max_rows + 1, max_blocks, dtype=torch.int32, device=device)
         self.tables[:, self.pad_row] = pad_block
 
     def apply(self, updates: list[tuple[int, int, int, list[int]]]) -> None:
@@ -48,7 +45,9 @@ class BlockTables:
             rows += [row] * len(new)
             cols += range(col, col + len(new))
             blocks += new
-        index = self.upload(torch.tensor([groups, rows, cols, blocks], dtype=torch.int64))
+        index = torch.tensor([groups, rows, cols, blocks], dtype=torch.int64).to(
+            self.device, non_blocking=True
+        )
         blocks_d = index[3].masked_fill(index[3] < 0, self.pad_block)
         self.tables[index[0], index[1], index[2]] = blocks_d.to(torch.int32)
 
@@ -58,7 +57,7 @@ class BlockTables:
         each sequence, in position order; a windowed group's released entries give slots
         no query of the step sees). Host work O(rows); the per-key index is made on the device."""
         total = sum(counts)
-        host = self.upload(torch.tensor([rows, counts], dtype=torch.int64))
+        host = torch.tensor([rows, counts], dtype=torch.int64).to(self.device, non_blocking=True)
         row_d, count_d = host[0], host[1]
         first = torch.cumsum(count_d, 0) - count_d  # [S] where each row's keys start
         key_row = row_d.repeat_interleave(count_d, output_size=total)  # [K]

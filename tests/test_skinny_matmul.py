@@ -37,7 +37,8 @@ for m, inter, k, plan in ((1, 100, 256, (32, 128, 3)), (7, 48, 128, (16, 64, 3))
         got = S.skinny_linear(x, w, None, plan, activation)
         torch.testing.assert_close(got, act_mul(F.linear(x, w)), rtol=1e-5, atol=1e-5)
 # out: float32 logits from float16 x and w (the LM head into a decode graph's static logits)
-# hold the values rounded to float16, as F.linear(...).float() (exactly: same sums, one rounding).
+# hold the values rounded to float16, as F.linear(...).float() (the float32 sums differ only in
+# their order; rounded to float16 they agree here, where unrounded ones would not).
 x, w = torch.randn(3, 256).half(), (torch.randn(100, 256) / 16).half()
 out = torch.full((3, 100), float("nan"))
 assert S.skinny_linear(x, w, None, (32, 128, 3), out=out) is out

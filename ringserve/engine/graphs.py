@@ -22,7 +22,7 @@ import time
 import torch
 
 from ringserve.engine.step_state import fill_pending_tokens
-from ringserve.paged_attention import decode_splits, fits_one_block
+from ringserve.paged_attention import fits_one_block
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +48,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (bucket, one_block)
         # Split-KV is fixed per bucket (a graph's launch grid cannot change): sized for the
         # longest context, a short one leaves most splits empty, which costs little.
-        self.splits = {
-            b: decode_splits(b, runner.num_kv_heads, runner.keys_read(runner.max_model_len), runner.num_sms)
-            if dev.type == "cuda"
-            else 1
-            for b in self.buckets
-        }
+        self.splits = {b: runner.decode_splits(b, runner.max_model_len) for b in self.buckets}
         if capture:
             self._capture_all()
 
@@ -109,10 +104,12 @@ class DecodeGraphs:
             dtype=torch.int64,
         )
         self.runner.host_elements += host.numel()
-        dev = host.to(self.inputs.device, non_blocking=True)
-        self.inputs[:, :n].copy_(dev[: 4 * n].view(4, n))
         if step.pending:
+            dev = host.to(self.inputs.device, non_blocking=True)
+            self.inputs[:, :n].copy_(dev[: 4 * n].view(4, n))
             fill_pending_tokens(self.inputs[0], dev[4 * n :].view(-1, 2), pending_tokens)
+        else:  # straight into the static inputs (synchronous steps: no copy on the device)
+            self.inputs[:, :n].copy_(host.view(4, n), non_blocking=True)
         if b > n:
             self._fill_padding(b, n)
         if (b, one_block) in self.graphs:

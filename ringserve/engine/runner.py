@@ -67,6 +67,13 @@ class ModelRunner:
         self.host_elements = 0  # host-built index elements, summed over steps (tests count them)
         self.graphs = None  # DecodeGraphs, set by the worker on CUDA unless eager is enforced
 
+    def decode_splits(self, batch: int, context: int) -> int:
+        """Split-KV programs per (sequence, KV head) of a decode step of `batch` sequences of
+        at most `context` keys (paged_attention.decode_splits); one on the CPU."""
+        if self.device.type != "cuda":
+            return 1
+        return decode_splits(batch, self.num_kv_heads, self.keys_read(context), self.num_sms)
+
     def keys_read(self, context: int) -> int:
         """The most keys a decode query reads at this context length: the longest window's
         reach when every layer is windowed (split-KV is sized by it)."""
@@ -188,9 +195,7 @@ class ModelRunner:
                 tile_seq_d, tile_q0_d = self._arange[:b], self._zeros[:b]
             else:
                 tile_seq_d, tile_q0_d = tiles.split(len(tile_seq))
-            splits = 1
-            if decode and self.device.type == "cuda":
-                splits = decode_splits(b, self.num_kv_heads, self.keys_read(max(seq_lens)), self.num_sms)
+            splits = self.decode_splits(b, max(seq_lens)) if decode else 1
             paged = PagedBatch(
                 seq_rows_d, cu_q_d, seq_lens_d, tile_seq_d, tile_q0_d, qpt, splits, cu_q, seq_lens, step.rows,
                 one_block=decode and fits_one_block(max(seq_lens), splits),

@@ -25,7 +25,8 @@ variant), captured in one CUDA graph and replayed, at batch 1 and 16:
   (an L2 prefetch of o_proj's weight on a side stream while attention runs was measured
   slower at e982a09 and dropped: BENCHMARKS.md; its code is in commit 2327384)
   engine    the engine's own functions (ringserve.kernels, skinny_matmul, paged_attention),
-            every kernel launched with programmatic dependent launch (ringserve.pdl)
+            every kernel launched with programmatic dependent launch (ringserve.pdl); with
+            --attention, q/k/v's matmul does RoPE and the KV store (qkv_rope_store)
   engine-nopdl  the same without PDL
   (PDL with the skinny matmul letting the next kernel launch only after its weight stream,
   or prefetching its first 1-2 weight tiles into L2 before waiting, and normepi+glu with
@@ -50,7 +51,13 @@ import triton.language as tl
 
 from ringserve import paged_attention as pa
 from ringserve.kernels import add_rms_norm, rotary_store_kv, silu_mul
-from ringserve.skinny_matmul import gated_activation, skinny_linear, skinny_plan, stream_weights
+from ringserve.skinny_matmul import (
+    gated_activation,
+    qkv_rope_store,
+    skinny_linear,
+    skinny_plan,
+    stream_weights,
+)
 
 H, INTER, NQKV, V, LAYERS = 4096, 14336, 6144, 128256, 32
 NH, NKV, D, PAGE, CONTEXT = 32, 8, 128, 16, 1024
@@ -215,6 +222,15 @@ def attention_stand_in(m: int, device, dtype):
             v_cache[slots] = torch.randn_like(v_cache[slots])
 
     attend.scramble = scramble
+
+    def projected(i, h, w_qkv, pdl=False):
+        """attend(i, h @ w_qkv^T) as the engine runs it: the projection, RoPE and the KV store
+        in one kernel (skinny_matmul.qkv_rope_store), then the paged kernel and merge."""
+        q, _, _ = qkv_rope_store(h, w_qkv, None, cos, sin, *caches[i], slots, pdl=pdl)
+        out, _ = pa.paged_attention(q, *caches[i], tables, paged, PAGE, D**-0.5, pdl=pdl)
+        return out.view(m, H)
+
+    attend.projected = projected
     return attend
 
 
@@ -259,7 +275,10 @@ def engine_chain(x0, layers, lm_head, final_ln, attend, pdl):
         x, residual = x0, torch.zeros_like(x0)
         for i, layer in enumerate(layers):
             h, residual = add_rms_norm(x, residual, layer["ln1"], 1e-5, pdl=pdl)
-            a = lin(attend(i, lin(h, layer["qkv"]), pdl=pdl), layer["o"])
+            if hasattr(attend, "projected"):  # the q/k/v matmul with RoPE and the KV store
+                a = lin(attend.projected(i, h, layer["qkv"], pdl=pdl), layer["o"])
+            else:
+                a = lin(attend(i, lin(h, layer["qkv"]), pdl=pdl), layer["o"])
             h, residual = add_rms_norm(a, residual, layer["ln2"], 1e-5, pdl=pdl)
             x = lin(lin(h, layer["gu"], "silu"), layer["down"])
         h, _ = add_rms_norm(x, residual, final_ln, 1e-5, pdl=pdl)

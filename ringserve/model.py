@@ -42,12 +42,22 @@ class ForwardContext(Protocol):
         v: torch.Tensor,
         sinks: torch.Tensor | None = None,
         rope: PositionTables | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         """q [T, NH, D], k and v [T, NKV, D] of this step's tokens -> [T, NH, D], each query
         over the keys its layer's window lets it see (ModelConfig.attention_window). sinks
         [NH] (this rank's heads): a logit per head that joins the softmax denominator only
         (gpt-oss), applied once every partial is merged. rope: q and k are not yet rotated;
-        the context rotates them as it stores the new keys (one kernel for both)."""
+        the context rotates them as it stores the new keys (one kernel for both). kv_stored:
+        project_qkv made q, k and v and has stored k and v already."""
+
+    def project_qkv(
+        self, layer: int, x: torch.Tensor, qkv_proj: MergedLinear, rope: PositionTables
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [T, NH, D], k, v [T, NKV, D]) of qkv_proj(x) with q and k rotated by rope and k,
+        v stored in the layer's cache, ready for attend(..., kv_stored=True): the context
+        owns the cache, and runs the projection, RoPE and the store as one kernel where it
+        can (skinny_matmul.qkv_rope_store)."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the tensor-parallel ranks."""
@@ -248,11 +258,17 @@ class Attention(nn.Module):
         self.uses_rope = layer not in config.nope_layers
         self.l2_eps = config.rms_norm_eps if config.qk_l2_norm and self.uses_rope else None
         self.temperature_tuned = config.attn_temperature is not None and not self.uses_rope
+        # Plain RoPE right after the projection: ctx.project_qkv can do both and the KV store.
+        self.rope_at_projection = self.uses_rope and self.q_norm is None and self.l2_eps is None
         # This rank's heads' sink logits [NH] (gpt-oss).
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
 
     def forward(self, x, pos: PositionTables, ctx: ForwardContext):
         tokens = x.shape[0]
+        if self.rope_at_projection:
+            q, k, v = ctx.project_qkv(self.layer, x, self.qkv_proj, pos)
+            out = ctx.attend(self.layer, q, k, v, sinks=self.sinks, kv_stored=True)
+            return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), ctx)
         q, k, v = self.qkv_proj(x)  # views of one [T, (NH + 2 NKV) * D] output
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)

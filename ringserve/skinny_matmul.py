@@ -69,9 +69,64 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, activation: str, pdl: bo
     return skinny_linear(x, weight, None, plan, activation, pdl=pdl)
 
 
-def skinny_plan(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> tuple[int, int, int] | None:
-    """(BLOCK_N, BLOCK_K, num_stages) where the skinny kernel runs x @ weight^T, else None.
-    gated: BLOCK_N counts the output's columns, each of which reads a gate and an up row."""
+def qkv_rope_store(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    pdl: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Attention's q/k/v projection with RoPE and the KV store in its epilogue: (q [T, NH, D],
+    k, v [T, NKV, D]) of x [T, K] @ weight^T + bias, weight [(NH + 2 NKV) * D, K] (q heads,
+    then k, then v), q and k rotated by HF's RoPE (cos, sin [T, 1, D], in x's dtype) and k, v
+    written to the caches [S, NKV, D] at slots [T], rounded where F.linear and
+    kernels.rotary_store_kv round. One kernel instead of the matmul and the RoPE + store
+    kernel after it. Each program reads the weight rows of BLOCK_N column pairs (i, i + D/2)
+    of one head, the pairs the rotation mixes: the skinny plan's rows, half of them partners.
+    None where the skinny kernel does not run: the caller runs the matmul and
+    kernels.rotary_store_kv."""
+    plan = skinny_plan(x, weight)
+    head_dim = k_cache.shape[2]
+    if plan is None or head_dim % plan[0] or weight.shape[0] % head_dim:
+        return None
+    if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        return None
+    return skinny_qkv_rope(x, weight, bias, cos, sin, k_cache, v_cache, slots, plan, pdl)
+
+
+def skinny_qkv_rope(x, weight, bias, cos, sin, k_cache, v_cache, slots, plan, pdl: bool = True):
+    """qkv_rope_store's kernel with plan's tile (skinny_plan's for the weight): its BLOCK_N
+    rows a program are BLOCK_N / 2 column pairs, BLOCK_N dividing the head_dim."""
+    tokens = x.shape[0]
+    num_kv, head_dim = k_cache.shape[1], k_cache.shape[2]
+    half = head_dim // 2
+    num_q = weight.shape[0] // head_dim - 2 * num_kv
+    q = torch.empty(tokens, num_q, head_dim, dtype=x.dtype, device=x.device)
+    k = torch.empty(tokens, num_kv, head_dim, dtype=x.dtype, device=x.device)
+    v = torch.empty(tokens, num_kv, head_dim, dtype=x.dtype, device=x.device)
+    cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
+    pairs, block_k, stages = plan[0] // 2, plan[1], plan[2]
+    launch = launch_options(x, pdl)
+    _qkv_rope_kernel[((num_q + 2 * num_kv) * (half // pairs),)](
+        x, weight, bias if bias is not None else x, cos, sin, q, k, v, k_cache, v_cache, slots, tokens,
+        x.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), K=x.shape[1], HAS_BIAS=bias is not None, NUM_Q=num_q, NUM_KV=num_kv,
+        HEAD_DIM=head_dim, BLOCK_M=16, BLOCK_N=pairs, BLOCK_K=block_k, PDL=bool(launch),
+        num_warps=4, num_stages=stages, **launch,
+    )  # fmt: skip
+    return q, k, v
+
+
+def skinny_plan(
+    x: torch.Tensor, weight: torch.Tensor, gated: bool = False
+) -> tuple[int, int, int, int] | None:
+    """(BLOCK_N, BLOCK_K, num_stages, columns a program writes) where the skinny kernel runs
+    x @ weight^T, else None. gated: BLOCK_N counts the output's columns, each of which reads
+    a gate and an up row."""
     if triton is None or not x.is_cuda or x.dtype not in _HALF or weight.dtype != x.dtype:
         return None
     if x.dim() != 2 or x.shape[0] > MAX_ROWS or x.shape[0] == 0 or x.stride(-1) != 1:
@@ -86,12 +141,17 @@ def _multiprocessors(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index or 0).multi_processor_count  # cached by torch
 
 
-def _plan(n: int, k: int, multiprocessors: int, gated: bool = False) -> tuple[int, int, int] | None:
-    """Tiles from the sweep in bench/bench_decode_chain.py (H200, Llama-3-8B's shapes):
-    32 columns and K in 512s where N is at most 4096 (o_proj, down_proj: 128 programs, each
-    with much in flight), 64 columns and K in 256s or 128s for wider ones (qkv, gate_up,
-    the LM head). A shard too narrow to give each multiprocessor a third of a program's
-    columns is left to cuBLAS, which splits K."""
+def _plan(n: int, k: int, multiprocessors: int, gated: bool = False) -> tuple[int, int, int, int] | None:
+    """(BLOCK_N, BLOCK_K, num_stages, columns a program writes), from the sweeps in
+    bench/bench_decode_chain.py (H200, Llama-3-8B's shapes): 32 columns and K in 512s where N
+    is at most 4096 (o_proj, down_proj: 128 programs, each with much in flight), 64 columns
+    and K in 256s or 128s for wider ones (qkv, gate_up, the LM head). A shard too narrow to
+    give each multiprocessor a third of a program's columns is left to cuBLAS, which splits K.
+
+    gate/up (gated) writes fewer columns than its tile where that makes one wave of four
+    programs a multiprocessor: Llama-3-8B's 14336 in 512 programs of 28, not 448 of 32 (the
+    tile's other rows masked off), 0.01-0.03 ms a step faster in the chain; 531 or more
+    programs (a second wave) were slower."""
     block_n = 32 if n <= 4096 else 64
     if triton.cdiv(n, block_n) < multiprocessors // 3:
         return None
@@ -99,32 +159,40 @@ def _plan(n: int, k: int, multiprocessors: int, gated: bool = False) -> tuple[in
     block_k = next((b for b in (preferred, 256, 128, 64) if b <= preferred and k % b == 0), None)
     if block_k is None or (gated and n % 2):
         return None
-    # gated: the same rows in flight per program, half of them gate rows, half up rows
-    return block_n // 2 if gated else block_n, block_k, 4 if block_k >= 256 else 3
+    stages = 4 if block_k >= 256 else 3
+    if not gated:
+        return block_n, block_k, stages, block_n
+    # the same rows in flight per program, half of them gate rows, half up rows
+    block_n //= 2
+    cols = triton.cdiv(n // 2, 4 * multiprocessors)
+    return block_n, block_k, stages, cols if block_n // 2 < cols < block_n else block_n
 
 
 def skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    plan: tuple[int, int, int],
+    plan: tuple[int, ...],
     activation: str | None = None,
     pdl: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ weight^T + bias; with an activation, act(gate) * up of the two halves of weight.
+    plan: skinny_plan's, or (BLOCK_N, BLOCK_K, num_stages) writing BLOCK_N columns a program.
     out: [M, N] contiguous, of any float dtype, written instead of a new tensor of x's."""
     m, k = x.shape
     n = weight.shape[0] if activation is None else weight.shape[0] // 2
-    block_n, block_k, stages = plan
+    block_n, block_k, stages = plan[:3]
+    cols = plan[3] if len(plan) > 3 else block_n  # at most block_n: the tile's rest masked off
     if out is not None and (out.shape != (m, n) or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous [{m}, {n}] tensor, not {tuple(out.shape)}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     launch = launch_options(x, pdl)
-    _skinny_kernel[(triton.cdiv(n, block_n),)](
+    _skinny_kernel[(triton.cdiv(n, cols),)](
         x, weight, bias if bias is not None else y, y, m, n, x.stride(0), K=k, HAS_BIAS=bias is not None,
         ACT=0 if activation is None else _ACTIVATION_CODE[activation],
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, PDL=bool(launch), num_warps=4, num_stages=stages,
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, COLS=cols, PDL=bool(launch), num_warps=4,
+        num_stages=stages,
         **launch,
     )  # fmt: skip
     return y
@@ -167,16 +235,19 @@ if triton is not None:
     def _skinny_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_x, K: tl.constexpr, HAS_BIAS: tl.constexpr,
         ACT: tl.constexpr,  # 0: y = x @ w^T; 1 silu, 2 gelu (tanh): y = act(x @ gate^T) * x @ up^T
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # y[M, N] = x[M, K] @ w[N, K]^T: program p owns columns p * BLOCK_N .., its [BLOCK_N,
         # BLOCK_K] tiles of w pipelined over K. With ACT, w is [2N, K]: the program also
         # reads the up rows N + its columns.
         pid = tl.program_id(0)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = pid * COLS + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         m_ok = rm[:, None] < M
         n_ok = rn < N
+        if COLS < BLOCK_N:
+            n_ok = n_ok & (tl.arange(0, BLOCK_N) < COLS)
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # int64: the LM head passes 2^31 elements
         wait_for_previous(PDL)
         acc, acc_up = stream_weights(
@@ -191,3 +262,57 @@ if triton is not None:
         # Rounded to x's dtype whatever y's (float32 logits hold the bfloat16 values).
         y = acc.to(dt).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], y, mask=m_ok & n_ok[None, :])
+
+    @triton.jit
+    def _qkv_rope_kernel(
+        x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, k_cache, v_cache, slots_ptr, M,
+        stride_x, stride_cos, stride_sin, stride_kc, stride_kc_head, stride_vc, stride_vc_head,
+        K: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):  # fmt: skip
+        # Program p: head h = p // (D / 2 / BLOCK_N) of the q, k, v heads stacked in w, and
+        # within it columns j = rj and j + D/2 (rj: BLOCK_N of the first half).
+        HALF: tl.constexpr = HEAD_DIM // 2
+        pid = tl.program_id(0)
+        head = pid // (HALF // BLOCK_N)
+        rj = (pid % (HALF // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = head * HEAD_DIM + rj
+        rm = tl.arange(0, BLOCK_M)
+        m_ok = rm[:, None] < M
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
+        wait_for_previous(PDL)
+        acc, acc_up = stream_weights(
+            x_ptr, w_rows, w_rows + HALF * K, stride_x, rm, tl.arange(0, BLOCK_K), m_ok, rj < HALF, K, True,
+            BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
+            acc_up += tl.load(b_ptr + rows + HALF).to(tl.float32)[None, :]
+        dt = x_ptr.dtype.element_ty
+        # F.linear's output (x1: first-half columns, x2: their partners), rounded to x's dtype
+        x1, x2 = acc.to(dt), acc_up.to(dt)
+        if head < NUM_Q + NUM_KV:
+            # HF: x * cos + rotate_half(x) * sin, each product and the sum rounded to x's
+            # dtype (kernels._rotate_heads); both halves of cos and sin are equal
+            c = tl.load(cos_ptr + rm[:, None] * stride_cos + rj[None, :], mask=m_ok, other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + rm[:, None] * stride_sin + rj[None, :], mask=m_ok, other=0.0).to(tl.float32)
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            x1 = ((f1 * c).to(dt).to(tl.float32) - (f2 * s).to(dt).to(tl.float32)).to(dt)
+            x2 = ((f2 * c).to(dt).to(tl.float32) + (f1 * s).to(dt).to(tl.float32)).to(dt)
+        if head < NUM_Q:
+            out = q_ptr + rm[:, None] * (NUM_Q * HEAD_DIM) + head * HEAD_DIM + rj[None, :]
+        elif head < NUM_Q + NUM_KV:
+            out = k_ptr + rm[:, None] * (NUM_KV * HEAD_DIM) + (head - NUM_Q) * HEAD_DIM + rj[None, :]
+        else:
+            out = v_ptr + rm[:, None] * (NUM_KV * HEAD_DIM) + (head - NUM_Q - NUM_KV) * HEAD_DIM + rj[None, :]
+        tl.store(out, x1, mask=m_ok)
+        tl.store(out + HALF, x2, mask=m_ok)
+        if head >= NUM_Q:  # k or v: also to this token's cache slot
+            slot = tl.load(slots_ptr + rm, mask=rm < M, other=0).to(tl.int64)[:, None]
+            if head < NUM_Q + NUM_KV:
+                cached = k_cache + slot * stride_kc + (head - NUM_Q) * stride_kc_head + rj[None, :]
+            else:
+                cached = v_cache + slot * stride_vc + (head - NUM_Q - NUM_KV) * stride_vc_head + rj[None, :]
+            tl.store(cached, x1, mask=m_ok)
+            tl.store(cached + HALF, x2, mask=m_ok)

@@ -14,6 +14,7 @@ from ringserve.engine.kv_cache import KVCache
 from ringserve.kernels import rotary_store_kv, store_kv
 from ringserve.lse_merge import add_sinks
 from ringserve.paged_attention import PagedBatch, paged_attention
+from ringserve.skinny_matmul import qkv_rope_store
 
 
 @dataclass
@@ -30,15 +31,31 @@ class _StepContext:
     def window(self, layer: int) -> AttentionWindow:
         return self.windows[layer] if self.windows else FULL_ATTENTION
 
-    def write_kv(self, layer: int, q, k, v, rope):
-        """Store the new tokens' KV, rotating q and k first when rope is given (one kernel);
-        returns (q, k, this layer's k_cache, v_cache)."""
+    def layer_kv(self, layer: int):
+        """(k_cache, v_cache, slots): this layer's caches and the slot of each new token."""
         k_cache, v_cache = self.kv_cache.layer(layer)
-        slots = self.slot_mapping[self.kv_cache.groups.layer_group[layer]]
-        if rope is None:
-            store_kv(k, v, k_cache, v_cache, slots)
-        else:
+        return k_cache, v_cache, self.slot_mapping[self.kv_cache.groups.layer_group[layer]]
+
+    def project_qkv(self, layer: int, x, qkv_proj, rope):
+        """(q [T, NH, D], k, v [T, NKV, D]) of qkv_proj(x), q and k rotated by rope, with k
+        and v already stored in the cache: one kernel where the skinny matmul runs."""
+        k_cache, v_cache, slots = self.layer_kv(layer)
+        fused = qkv_rope_store(x, qkv_proj.weight, qkv_proj.bias, rope.cos, rope.sin, k_cache, v_cache, slots)
+        if fused is not None:
+            return fused
+        head_dim = k_cache.shape[-1]
+        q, k, v = (part.view(x.shape[0], part.shape[-1] // head_dim, head_dim) for part in qkv_proj(x))
+        q, k = rotary_store_kv(q, k, v, rope.cos, rope.sin, k_cache, v_cache, slots)
+        return q, k, v
+
+    def write_kv(self, layer: int, q, k, v, rope, kv_stored: bool):
+        """Store the new tokens' KV (unless kv_stored: project_qkv did), rotating q and k
+        first when rope is given (one kernel); returns (q, k, this layer's k_cache, v_cache)."""
+        k_cache, v_cache, slots = self.layer_kv(layer)
+        if rope is not None:
             q, k = rotary_store_kv(q, k, v, rope.cos, rope.sin, k_cache, v_cache, slots)
+        elif not kv_stored:
+            store_kv(k, v, k_cache, v_cache, slots)
         return q, k, k_cache, v_cache
 
     def all_reduce(self, x):
@@ -63,8 +80,8 @@ class PagedAttentionContext(_StepContext):
     paged: PagedBatch | None = None
     block_tables: torch.Tensor | None = None  # [groups, rows, max_blocks] int32, the runner's
 
-    def attend(self, layer: int, q, k, v, sinks=None, rope=None):
-        q, k, k_cache, v_cache = self.write_kv(layer, q, k, v, rope)
+    def attend(self, layer: int, q, k, v, sinks=None, rope=None, kv_stored=False):
+        q, k, k_cache, v_cache = self.write_kv(layer, q, k, v, rope, kv_stored)
         window = self.window(layer)
         if self.dense is not None:
             out, lse = attention_with_lse(q, k, v, self.dense, self.scale, window)
@@ -91,8 +108,8 @@ class RingAttentionContext(_StepContext):
     local_slots: torch.Tensor
     ring: Callable  # RingAttention: (q, k_local, v_local, window) -> (out, lse)
 
-    def attend(self, layer: int, q, k, v, sinks=None, rope=None):
-        q, k, k_cache, v_cache = self.write_kv(layer, q, k, v, rope)
+    def attend(self, layer: int, q, k, v, sinks=None, rope=None, kv_stored=False):
+        q, k, k_cache, v_cache = self.write_kv(layer, q, k, v, rope, kv_stored)
         window = self.window(layer)
         rows = self.ring.local_key_rows(window)  # a window: only the keys some query sees
         group_slots = self.local_slots[self.kv_cache.groups.layer_group[layer]]

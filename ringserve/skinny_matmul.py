@@ -238,9 +238,10 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr,
         PDL: tl.constexpr = False,
     ):  # fmt: skip
-        # y[M, N] = x[M, K] @ w[N, K]^T: program p owns columns p * BLOCK_N .., its [BLOCK_N,
-        # BLOCK_K] tiles of w pipelined over K. With ACT, w is [2N, K]: the program also
-        # reads the up rows N + its columns.
+        # y[M, N] = x[M, K] @ w[N, K]^T: program p owns columns p * COLS .. + COLS (COLS <=
+        # BLOCK_N, the tile's other rows masked off), its [BLOCK_N, BLOCK_K] tiles of w
+        # pipelined over K. With ACT, w is [2N, K]: the program also reads the up rows N + its
+        # columns.
         pid = tl.program_id(0)
         rn = pid * COLS + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)

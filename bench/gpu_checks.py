@@ -296,12 +296,20 @@ def check_skinny_engine():
         vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False,
     )  # fmt: skip
-    calls = []
-    kernel, plan = skinny_matmul.skinny_linear, skinny_matmul.skinny_plan
+    calls, fused_calls = [], []
+    kernel, plan, fused = (
+        skinny_matmul.skinny_linear,
+        skinny_matmul.skinny_plan,
+        skinny_matmul.skinny_qkv_rope,
+    )
 
     def counted(*args, **kwargs):
         calls.append(args[1].shape)
         return kernel(*args, **kwargs)
+
+    def counted_fused(*args, **kwargs):
+        fused_calls.append(args[1].shape)
+        return fused(*args, **kwargs)
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_random_model(config, f"{tmp}/llama_wide")
@@ -313,23 +321,25 @@ def check_skinny_engine():
             ref32 = ref.float()(ids).logits[0]  # the same bf16 weights, computed in float32
         errs = {}
         try:
-            skinny_matmul.skinny_linear = counted
+            skinny_matmul.skinny_linear, skinny_matmul.skinny_qkv_rope = counted, counted_fused
             engine = LLMEngine(folder, device="cuda", dtype="bfloat16")
             errs["skinny"] = rel(engine_logits(engine, tokens, prefill=40), ref32)
             engine.close()
-            taken = len(calls)
+            taken, taken_fused = len(calls), len(fused_calls)
             skinny_matmul.skinny_plan = lambda *a, **kw: None
             engine = LLMEngine(folder, device="cuda", dtype="bfloat16")
             errs["cublas"] = rel(engine_logits(engine, tokens, prefill=40), ref32)
             engine.close()
         finally:
             skinny_matmul.skinny_linear, skinny_matmul.skinny_plan = kernel, plan
+            skinny_matmul.skinny_qkv_rope = fused
     errs["transformers bf16"] = rel(hf_bf16, ref32)
     print(
-        f"skinny matmul in the engine: {taken} calls in 24 decode steps; bf16 logits rel err against "
-        f"float32: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items())
+        f"skinny matmul in the engine: {taken} calls and {taken_fused} of q/k/v with RoPE in 24 decode "
+        f"steps; bf16 logits rel err against float32: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items())
     )
-    assert taken >= 24 * 4 * 4
+    # every decode step's 4 layers: o_proj, gate/up, down and the LM head; q/k/v fused
+    assert taken >= 24 * (3 * 4 + 1) and taken_fused >= 24 * 4
     assert errs["skinny"] <= 1.05 * errs["cublas"]
 
 
@@ -338,8 +348,8 @@ MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "llama4", "gpt_oss")
 
 def check_pdl():
     """Programmatic dependent launch changes no bit of the result: four Llama-3-8B-shaped
-    decode layers of the engine's kernels (norm, qkv, RoPE + KV store, paged attention and its
-    merge, o_proj, gated gate/up, down) and an LM head, in a CUDA graph with PDL and in one
+    decode layers of the engine's kernels (norm, qkv with RoPE and the KV store, paged attention
+    and its merge, o_proj, gated gate/up, down) and an LM head, in a CUDA graph with PDL and in one
     without, each replayed 20 times at batch 1 and 16, every output equal to the first
     without PDL. (A kernel reading its input before the one before it finished would give
     other bits, some of the time: before each replay the KV slots the step writes are filled

@@ -13,8 +13,13 @@ and the engine's whole decode step from 4.80 to 4.44-4.51 ms (BENCHMARKS.md).
 reads its columns' gate rows and up rows and writes act(gate) * up, so no [M, 2I] output is
 written and read back and no separate activation kernel runs.
 
+`qkv_rope_store` is attention's q/k/v matmul with RoPE and the KV store in its epilogue
+(each program reads the weight rows of column pairs (i, i + D/2) of one head, the pairs the
+rotation mixes), so no RoPE + store kernel runs between it and the paged attention kernel.
+
 Everywhere else (the CPU, float32, more rows, shards too narrow to fill the GPU, K that no
-block divides) `linear` is F.linear and `gated_linear` F.linear and the activation kernel.
+block divides) `linear` is F.linear, `gated_linear` F.linear and the activation kernel, and
+`qkv_rope_store` returns None (the caller runs F.linear and kernels.rotary_store_kv).
 """
 
 from __future__ import annotations
@@ -93,6 +98,8 @@ def qkv_rope_store(
     head_dim = k_cache.shape[2]
     if plan is None or head_dim % plan[0] or weight.shape[0] % head_dim:
         return None
+    if k_cache.dtype != x.dtype or v_cache.dtype != x.dtype or slots.dim() != 1 or slots.stride(0) != 1:
+        return None
     if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         return None
     return skinny_qkv_rope(x, weight, bias, cos, sin, k_cache, v_cache, slots, plan, pdl)
@@ -134,24 +141,25 @@ def skinny_plan(
     if not weight.is_contiguous():
         return None
     n, k = weight.shape
-    return _plan(n, k, _multiprocessors(x.device.index), gated)
+    props = torch.cuda.get_device_properties(x.device.index or 0)  # cached by torch
+    # Hopper, where the gated tile was measured to run four programs a multiprocessor
+    return _plan(n, k, props.multi_processor_count, gated, resident=4 if props.major == 9 else 0)
 
 
-def _multiprocessors(device_index: int | None) -> int:
-    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count  # cached by torch
-
-
-def _plan(n: int, k: int, multiprocessors: int, gated: bool = False) -> tuple[int, int, int, int] | None:
+def _plan(
+    n: int, k: int, multiprocessors: int, gated: bool = False, resident: int = 0
+) -> tuple[int, int, int, int] | None:
     """(BLOCK_N, BLOCK_K, num_stages, columns a program writes), from the sweeps in
     bench/bench_decode_chain.py (H200, Llama-3-8B's shapes): 32 columns and K in 512s where N
     is at most 4096 (o_proj, down_proj: 128 programs, each with much in flight), 64 columns
     and K in 256s or 128s for wider ones (qkv, gate_up, the LM head). A shard too narrow to
     give each multiprocessor a third of a program's columns is left to cuBLAS, which splits K.
 
-    gate/up (gated) writes fewer columns than its tile where that makes one wave of four
-    programs a multiprocessor: Llama-3-8B's 14336 in 512 programs of 28, not 448 of 32 (the
-    tile's other rows masked off), 0.01-0.03 ms a step faster in the chain; 531 or more
-    programs (a second wave) were slower."""
+    gate/up (gated) writes fewer columns than its tile where that makes one wave of the
+    `resident` programs a multiprocessor holds at once (4 on an H200; 0: unknown, whole
+    tiles): Llama-3-8B's 14336 in 512 programs of 28, not 448 of 32 (the tile's other rows
+    masked off), 0.01-0.03 ms a step faster in the chain; 531 or more programs (a second
+    wave) were slower."""
     block_n = 32 if n <= 4096 else 64
     if triton.cdiv(n, block_n) < multiprocessors // 3:
         return None
@@ -164,8 +172,8 @@ def _plan(n: int, k: int, multiprocessors: int, gated: bool = False) -> tuple[in
         return block_n, block_k, stages, block_n
     # the same rows in flight per program, half of them gate rows, half up rows
     block_n //= 2
-    cols = triton.cdiv(n // 2, 4 * multiprocessors)
-    return block_n, block_k, stages, cols if block_n // 2 < cols < block_n else block_n
+    cols = triton.cdiv(n // 2, max(1, resident * multiprocessors))
+    return block_n, block_k, stages, cols if resident and block_n // 2 < cols < block_n else block_n
 
 
 def skinny_linear(

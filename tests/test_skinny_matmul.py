@@ -41,12 +41,12 @@ for m, inter, k, plan in ((1, 100, 256, (32, 128, 3)), (7, 48, 128, (16, 64, 3))
         got = S.skinny_linear(x, w, None, plan, activation)
         torch.testing.assert_close(got, act_mul(F.linear(x, w)), rtol=1e-5, atol=1e-5)
 # q/k/v with RoPE and the KV store in the epilogue, against F.linear and rotary_store_kv's CPU
-# form: rows 1, 5 (strided x) and 16; tiles of 32 and 16 pairs (one, two and four programs a
-# head half); a bias; the cache slots written and no other.
+# form: rows 1, 5 and 16 (x strided); tiles of 32 and 16 pairs (one, two and four programs a
+# head); a bias; the cache slots written and no other.
 from ringserve.kernels import rotary_store_kv
 for m, nq, nkv, d, k, bias, plan in (
     (1, 4, 2, 64, 128, False, (64, 64, 3)), (5, 6, 2, 128, 256, True, (64, 64, 3)),
-    (16, 2, 1, 64, 64, True, (32, 64, 3)),
+    (16, 2, 1, 64, 64, True, (32, 64, 3)), (2, 2, 1, 128, 64, False, (32, 64, 3)),
 ):
     x = torch.randn(m, k + 8)[:, :k]
     w = torch.randn((nq + 2 * nkv) * d, k) / k**0.5
@@ -99,10 +99,12 @@ def test_skinny_plan_only_where_it_pays():
     assert S.skinny_plan(x, w) is None and S.skinny_plan(x.bfloat16(), w.bfloat16()) is None
     assert torch.equal(S.linear(x, w), torch.nn.functional.linear(x, w))
     # The gated form's columns each read a gate and an up row: half the columns per program.
-    # Llama-3-8B's 14336 columns in one wave of four programs a multiprocessor: 512 of 28
-    # (of the tile's 32); a tp=2 shard's 7168 would need 14, half the tile: 224 of 32.
-    assert S._plan(28672, 4096, 132, gated=True) == (32, 128, 3, 28)
-    assert S._plan(14336, 4096, 132, gated=True) == (32, 128, 3, 32)
-    assert S._plan(4096, 4096, 132, gated=True) == (16, 512, 4, 16)
+    # Llama-3-8B's 14336 columns in one wave of four programs a multiprocessor (an H200's):
+    # 512 of 28 (of the tile's 32); a tp=2 shard's 7168 would need 14, half the tile: 224 of
+    # 32; where the programs a multiprocessor holds are not known, whole tiles.
+    assert S._plan(28672, 4096, 132, gated=True, resident=4) == (32, 128, 3, 28)
+    assert S._plan(14336, 4096, 132, gated=True, resident=4) == (32, 128, 3, 32)
+    assert S._plan(28672, 4096, 132, gated=True) == (32, 128, 3, 32)
+    assert S._plan(4096, 4096, 132, gated=True, resident=4) == (16, 512, 4, 16)
     assert S.skinny_plan(x, w, gated=True) is None
     assert torch.equal(S.gated_linear(x, w, "silu"), S.silu_mul(torch.nn.functional.linear(x, w)))

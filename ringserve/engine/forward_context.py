@@ -51,6 +51,7 @@ class _StepContext:
     def write_kv(self, layer: int, q, k, v, rope, kv_stored: bool):
         """Store the new tokens' KV (unless kv_stored: project_qkv did), rotating q and k
         first when rope is given (one kernel); returns (q, k, this layer's k_cache, v_cache)."""
+        assert rope is None or not kv_stored, "project_qkv has rotated q and k already"
         k_cache, v_cache, slots = self.layer_kv(layer)
         if rope is not None:
             q, k = rotary_store_kv(q, k, v, rope.cos, rope.sin, k_cache, v_cache, slots)

@@ -9,7 +9,7 @@ the runner's step state as its prefill would be; then each decode step is timed 
 driver's StepInput to the ring's attention metadata for every rank (what a rank prepares on
 the host before the model runs): median ms per step, and the host-built index elements.
 The model itself does not run, so the figure is the step's preparation alone. Where the
-checkout gathers a rank's key slots with tensor ops meant for the device (the CP layout's
+checkout gathers a rank's key slots (before pass-Q decode read the cache in place) with tensor ops meant for the device (the CP layout's
 BlockTables.key_slots: O(keys on the rank), queued asynchronously on a GPU), that part is
 timed alone too, since on a CPU it runs on the host. --threads: torch's intra-op threads
 (1 by default: on a small shared box more threads only contend).
@@ -105,12 +105,16 @@ def main():
         start = time.perf_counter()
         step = step_input(ScheduledBatch(seqs, [1] * batch_size), manager)
         step.cp_algo = "pass_q"
-        ring = runner.prepare(step)[2].ring
-        for src in range(cp):  # the metadata of every rank's queries against this rank's keys
-            ring._batch(src, ring.rank)
+        ctx = runner.prepare(step)[2]
+        ring = ctx.ring
+        if getattr(ring, "paged_keys", None) is None:
+            # Checkouts that gather a rank's keys: the metadata of every rank's queries
+            # against them (a ring that reads in place made its paged batches already).
+            for src in range(cp):
+                ring._batch(src, ring.rank)
         times.append((time.perf_counter() - start) * 1000)
         elements.append(runner.host_elements - before)
-        if hasattr(runner.block_tables, "key_slots"):
+        if getattr(ctx, "local_slots", None) is not None and hasattr(runner.block_tables, "key_slots"):
             my_keys = ring.step.keys[ring.rank].tolist()
             start = time.perf_counter()
             runner.block_tables.key_slots(step.rows, my_keys, BLOCK)

@@ -61,7 +61,9 @@ def ring_step(starts: list[int], totals: list[int], block_size: int, cp: int, lo
     step = RingStep(layout.step(seqs, counts), counts, cp)
     key_positions = [
         [
-            torch.tensor([p for p in range(total) if layout.where(seq.block_table, p)[0] == r])
+            torch.tensor(
+                [p for p in range(total) if layout.where(seq.block_table, p)[0] == r], dtype=torch.int64
+            )
             for r in range(cp)
         ]
         for seq, total in zip(seqs, totals)

@@ -1,13 +1,18 @@
 """Context parallelism on gloo ranks: every layout's logits and greedy tokens equal the
 single-rank result (which the model tests check against transformers)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from ringserve import LLM, SamplingParams
 from ringserve.attention import VarlenBatch, attention_with_lse
+from ringserve.config import FULL_ATTENTION, AttentionWindow
 from ringserve.engine.logits_probe import engine_logits
-from ringserve.parallel.cp import CPCalibration, RingAttention, choose_cp_algo
+from ringserve.parallel.cp import CPCalibration, PagedKeys, RingAttention, choose_cp_algo
 from ringserve.parallel.cp_layout import place_blocks
 from ringserve.parallel.local_world import run_local_world
 
@@ -91,6 +96,16 @@ def test_second_turn_reuses_the_sharded_cache(algo, tiny_model_dir):
     assert computed == len(second) - out.num_cached_tokens + len(expected) - 1
 
 
+def causal_rows(qs, ks, vs, q_positions, scale):
+    """Full causal attention over each whole sequence, at the rows of q_positions: [T, NH, D]."""
+    want = []
+    for x, kk, vv, p in zip(qs, ks, vs, q_positions):
+        n = len(x)
+        full = VarlenBatch(torch.tensor([0, n]), torch.tensor([0, n]), n, n, torch.arange(n), torch.arange(n))
+        want.append(attention_with_lse(x, kk, vv, full, scale)[0][p])
+    return torch.cat(want)
+
+
 def _ring_rank(rank, world_size, algo, max_partial_bytes):
     """One rank's ring attention for two sequences (a whole prompt; 30 new tokens after 22
     cached ones) against full causal attention over every position."""
@@ -103,18 +118,8 @@ def _ring_rank(rank, world_size, algo, max_partial_bytes):
     ring = RingAttention(dist.group.WORLD, step, algo, dim**-0.5, "cpu")
     ring.max_partial_bytes = max_partial_bytes
     got, _ = ring(q, k, v)
-    want = []
-    for x, kk, vv, p, total in zip(qs, ks, vs, q_positions, totals):
-        full = VarlenBatch(
-            torch.tensor([0, total]),
-            torch.tensor([0, total]),
-            total,
-            total,
-            torch.arange(total),
-            torch.arange(total),
-        )
-        want.append(attention_with_lse(x, kk, vv, full, dim**-0.5)[0][p])
-    return (got - torch.cat(want)).abs().max().item(), step.num_queries(rank)
+    want = causal_rows(qs, ks, vs, q_positions, dim**-0.5)
+    return (got - want).abs().max().item(), step.num_queries(rank)
 
 
 @pytest.mark.parametrize(
@@ -125,6 +130,89 @@ def test_ring_equals_full_attention(algo, max_partial_bytes):
     results = run_local_world(_ring_rank, 4, algo, max_partial_bytes, timeout_s=60)
     assert all(err < 1e-5 for err, _ in results), results
     assert sum(n for _, n in results) == 70 + 30 and all(n > 0 for _, n in results)
+
+
+def _decode_in_place_rank(rank, world_size):
+    """One rank's pass-Q decode step (one new token for each of four sequences, the first of
+    them held by a single rank) reading its keys in place from a paged cache with scattered blocks,
+    against full attention and against the gathered keys."""
+    import torch.distributed as dist
+
+    block, heads, kv_heads, dim = 4, 4, 2, 8
+    starts, totals = [2, 21, 40, 9], [3, 22, 41, 10]
+    step, _, key_positions = ring_step(starts, totals, block, world_size)
+    qs, ks, vs, q_positions, q, k, v = ring_inputs(step, key_positions, totals, rank, heads, kv_heads, dim)
+    # This rank's cache: each sequence's keys here in blocks taken at random, the rest noise.
+    g = torch.Generator().manual_seed(rank)
+    held = [len(p[rank]) for p in key_positions]
+    num_blocks = sum(-(-n // block) for n in held) + 3
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    table = torch.zeros(len(held), num_blocks, dtype=torch.int32)
+    k_cache, v_cache = (torch.randn(num_blocks * block, kv_heads, dim, generator=g) for _ in range(2))
+    slots = []
+    for s, n in enumerate(held):
+        for i in range(-(-n // block)):
+            table[s, i] = free.pop()
+        slots += [int(table[s, i // block]) * block + i % block for i in range(n)]
+    k_cache[slots], v_cache[slots] = k, v
+    paged = PagedKeys([0, 1, 2, 3], block, lambda batch, keys: 2)
+    ring = RingAttention(dist.group.WORLD, step, "pass_q", dim**-0.5, "cpu", paged)
+    assert ring.reads_in_place(FULL_ATTENTION) and not ring.reads_in_place(AttentionWindow(sliding=8))
+    assert not RingAttention(dist.group.WORLD, step, "pass_kv", dim**-0.5, "cpu", paged).reads_in_place(
+        FULL_ATTENTION
+    )
+    got, lse = ring.attend_in_place(q, k_cache, v_cache, table)
+    gathered, gathered_lse = ring(q, k, v)
+    want = causal_rows(qs, ks, vs, q_positions, dim**-0.5)
+
+    def error(a, b):
+        return (a - b).abs().max().item() if a.numel() else 0.0
+
+    return [error(got, want), error(lse, gathered_lse), error(got, gathered)], held, len(q)
+
+
+def check_decode_in_place():
+    results = run_local_world(_decode_in_place_rank, 2, timeout_s=60)
+    assert all(max(errors) < 1e-5 for errors, _, _ in results), results
+    held = [h for _, h, _ in results]  # [rank][sequence] keys held
+    assert [sum(h[s] for h in held) for s in range(4)] == [3, 22, 41, 10]
+    # The short one lies on one rank, whose other queries visit the other rank without it.
+    assert sum(h[0] == 0 for h in held) == 1
+    assert sorted(n for *_, n in results) == [1, 3]
+
+
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_pass_q_decode_reads_the_paged_cache_in_place(kernel):
+    """The gathered reference of paged attention (what a CPU runs), and the Triton kernel
+    under its CPU interpreter (what a GPU runs; two splits a query)."""
+    if kernel == "reference":
+        return check_decode_in_place()
+    pytest.importorskip("triton")
+    script = "import sys; sys.path.insert(0, 'tests'); import test_cp; test_cp.check_decode_in_place(); print('ok')"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-4000:]
+
+
+def test_pass_q_decode_gathers_no_keys(tiny_model_dir, monkeypatch):
+    """Under cp=2 pass-Q a decode step of a full-attention model builds no index of the
+    keys a rank holds (so it copies none out of the cache); its prefill does."""
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    with LLM(
+        tiny_model_dir("llama"), device="cpu", dtype="float32", block_size=BS, cp=2, cp_algo="pass_q"
+    ) as llm:
+        tables = llm.engine.executor.worker.runner.block_tables
+        indexed = []
+        key_slots = tables.key_slots
+        monkeypatch.setattr(tables, "key_slots", lambda *a: indexed.append(sum(a[1])) or key_slots(*a))
+        llm.engine.add_request(LONG[:30], params)
+        llm.engine.step()  # the prompt (every query is new: it gathers) and its first token
+        assert len(indexed) == 1
+        llm.engine.step()
+        llm.engine.step()
+        assert len(indexed) == 1 and not llm.engine.has_unfinished()
 
 
 def test_one_token_blocks_place_every_decode_token_round_robin(tiny_model_dir, reference):

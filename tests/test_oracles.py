@@ -152,14 +152,13 @@ def test_no_admission_in_a_step_that_preempts_and_preempted_logits(prefix_cachin
 
 
 class RingsRun:
-    """Counts the rings rank 0 (the driver's worker) actually ran, one per layer and step."""
+    """Counts the rings rank 0 (the driver's worker) actually ran, one per layer and step
+    (a pass-Q decode step's full-attention layers read the cache in place)."""
 
     def __init__(self, monkeypatch):
         self.counts = {"pass_kv": 0, "pass_q": 0}
-        for algo in self.counts:
-            monkeypatch.setattr(
-                RingAttention, "_" + algo, self._counting(algo, getattr(RingAttention, "_" + algo))
-            )
+        for method, algo in (("_pass_kv", "pass_kv"), ("_pass_q", "pass_q"), ("attend_in_place", "pass_q")):
+            monkeypatch.setattr(RingAttention, method, self._counting(algo, getattr(RingAttention, method)))
 
     def _counting(self, algo, ring):
         def run(attn, *args):

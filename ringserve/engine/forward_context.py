@@ -14,6 +14,7 @@ from ringserve.engine.kv_cache import KVCache
 from ringserve.kernels import rotary_store_kv, store_kv
 from ringserve.lse_merge import add_sinks
 from ringserve.paged_attention import PagedBatch, paged_attention
+from ringserve.parallel.cp import RingAttention
 from ringserve.skinny_matmul import qkv_rope_store
 
 
@@ -103,17 +104,24 @@ class PagedAttentionContext(_StepContext):
 @dataclass(kw_only=True)
 class RingAttentionContext(_StepContext):
     """ForwardContext of one step on one CP rank: this rank's new KV goes to its slots; its
-    queries meet every rank's keys through the ring (pass-KV or pass-Q)."""
+    queries meet every rank's keys through the ring (pass-KV or pass-Q). A pass-Q decode step
+    reads each rank's keys in place in full-attention layers; other layers and steps gather
+    the keys the rank holds."""
 
-    # [groups, K_mine] per KV group, local slots of every key this rank holds, per sequence
-    local_slots: torch.Tensor
-    ring: Callable  # RingAttention: (q, k_local, v_local, window) -> (out, lse)
+    # [groups, K_mine] per KV group, local slots of every key this rank holds, per sequence;
+    # None where no layer of the step gathers them (RingAttention.reads_in_place)
+    local_slots: torch.Tensor | None
+    ring: RingAttention
+    block_tables: torch.Tensor  # [groups, rows, max_blocks] int32: this rank's share
 
     def attend(self, layer: int, q, k, v, sinks=None, rope=None, kv_stored=False):
         q, k, k_cache, v_cache = self.write_kv(layer, q, k, v, rope, kv_stored)
         window = self.window(layer)
+        group = self.kv_cache.groups.layer_group[layer]
+        if self.ring.reads_in_place(window):
+            out, lse = self.ring.attend_in_place(q, k_cache, v_cache, self.block_tables[group])
+            return add_sinks(out, lse, sinks)
         rows = self.ring.local_key_rows(window)  # a window: only the keys some query sees
-        group_slots = self.local_slots[self.kv_cache.groups.layer_group[layer]]
-        slots = group_slots if rows is None else group_slots[rows]
+        slots = self.local_slots[group] if rows is None else self.local_slots[group][rows]
         out, lse = self.ring(q, k_cache[slots], v_cache[slots], window)
         return add_sinks(out, lse, sinks)

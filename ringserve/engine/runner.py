@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ringserve.attention import VarlenBatch
+from ringserve.config import FULL_ATTENTION
 from ringserve.engine.forward_context import PagedAttentionContext, RingAttentionContext
 from ringserve.engine.kv_cache import KVCache
 from ringserve.engine.step_input import StepInput
@@ -13,7 +14,7 @@ from ringserve.engine.step_state import BlockTables, decode_step_tensors, fill_p
 from ringserve.model import Transformer
 from ringserve.paged_attention import PagedBatch, decode_splits, fits_one_block, tile_queries
 from ringserve.parallel.comm import all_gather_stacked
-from ringserve.parallel.cp import RingAttention, RingStep
+from ringserve.parallel.cp import PagedKeys, RingAttention, RingStep
 
 
 class ModelRunner:
@@ -107,11 +108,21 @@ class ModelRunner:
         )
         local_rows = self._rows.local_logit_rows(self.cp_rank)
         dev = self.device
-        ring = RingAttention(self.cp_group, ring_step, step.cp_algo, self.scale, dev)
-        # Every key this rank holds of the step's sequences, new ones included, packed per
-        # sequence in position order (what the ring's metadata counts).
-        my_keys = ring_step.keys[self.cp_rank].tolist()
-        key_slots = self.block_tables.key_slots(step.rows, my_keys, self.kv_cache.block_size)  # [G, K_mine]
+        bs = self.kv_cache.block_size
+        ring = RingAttention(
+            self.cp_group,
+            ring_step,
+            step.cp_algo,
+            self.scale,
+            dev,
+            PagedKeys(step.rows, bs, self.decode_splits),
+        )
+        windows = self.model.config.attention_windows
+        key_slots = None
+        if not all(ring.reads_in_place(w) for w in windows or (FULL_ATTENTION,)):
+            # Every key this rank holds of the step's sequences, new ones included, packed per
+            # sequence in position order (what the ring's metadata counts): [G, K_mine].
+            key_slots = self.block_tables.key_slots(step.rows, ring_step.keys[self.cp_rank].tolist(), bs)
         ctx = RingAttentionContext(
             self.kv_cache,
             ring_step.slots[:, mine].to(dev),  # [G, T_mine]
@@ -119,7 +130,8 @@ class ModelRunner:
             self.run_experts,
             local_slots=key_slots,
             ring=ring,
-            windows=self.model.config.attention_windows,
+            block_tables=self.block_tables.tables,
+            windows=windows,
         )
         self.host_elements += (
             step.cp.num_host_elements

@@ -10,7 +10,10 @@ it lies, by one of two rings:
   attends its queries to the block it holds while it sends that block on and receives the
   next (isend/irecv, double-buffered); partials are merged locally by log-sum-exp.
 - pass-Q: queries (with positions and sequences) travel; each rank attends them to its own
-  KV; the partial outputs and LSEs go home in one all-to-all and are merged there.
+  KV; the partial outputs and LSEs go home in one all-to-all and are merged there. In a
+  decode step (one new token a sequence) a full-attention layer reads the rank's own KV in
+  place through its block table (RingAttention.attend_in_place, the paged kernel); other
+  steps and windowed layers attend to the rank's keys gathered out of the cache.
 
 Layers with a window (sliding, chunked) run only the ring steps whose pair of ranks shares
 a visible key, each block sent straight from its owner (see RingAttention._local_pass_kv).
@@ -23,6 +26,7 @@ message of a ring is padded to the largest rank's.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +36,7 @@ from ringserve.attention import VarlenBatch, attention_rows
 from ringserve.config import FULL_ATTENTION, AttentionWindow
 from ringserve.lse_merge import merge_partials
 from ringserve.measurements import load_measurement
+from ringserve.paged_attention import PagedBatch, paged_attention
 from ringserve.parallel.cp_layout import CPStep
 
 logger = logging.getLogger(__name__)
@@ -48,6 +53,7 @@ class RingStep:
 
     def __init__(self, cp: CPStep, num_tokens: list[int], num_ranks: int):
         self.num_ranks = num_ranks
+        self.is_decode = all(n == 1 for n in num_tokens)  # one new token a sequence
         # [R, 4 + G]: sequence, rank, first position, tokens, first local slot per KV group
         runs = torch.tensor(cp.runs, dtype=torch.int64).reshape(-1, 4 + cp.num_groups)
         lengths = runs[:, 3]
@@ -98,6 +104,17 @@ class RingStep:
     def _seen(self, k_rank: int) -> torch.Tensor:
         """[T] per new token, the keys of its sequence on k_rank at or before it."""
         return self._cached[k_rank][self.seq] + self._seen_new_keys(k_rank)
+
+    def keys_seen(self, q_rank: int, k_rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Under full attention, q_rank's queries that see any key on k_rank: (index [T'],
+        seq [T'], count [T']) int64, where each is among q_rank's packed queries, its
+        sequence, and how many of that sequence's keys on k_rank it sees (the first ones in
+        position order)."""
+        mine = self.owners == q_rank
+        seen = self._seen(k_rank)[mine]
+        index = torch.nonzero(seen > 0).flatten()
+        self.host_elements += 3 * len(index)
+        return index, self.seq[mine][index], seen[index]
 
     def _before_window(self, k_rank: int, window: AttentionWindow) -> torch.Tensor:
         """[T] per new token, the keys of its sequence on k_rank before the first position
@@ -252,6 +269,17 @@ def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return first + torch.arange(total) - done
 
 
+@dataclass
+class PagedKeys:
+    """How a rank reads its own KV cache in place: the row of its block tables of each of
+    the step's sequences, the cache's block size, and the split-KV count for a batch of
+    decode queries over at most so many keys (ModelRunner.decode_splits)."""
+
+    seq_rows: list[int]
+    block_size: int
+    splits: Callable[[int, int], int]
+
+
 class RingAttention:
     """Attention of this rank's new tokens over all ranks' KV, by pass-KV or pass-Q."""
 
@@ -260,7 +288,11 @@ class RingAttention:
     # prompt over CP8 are 1 GiB each.
     max_partial_bytes = 512 << 20
 
-    def __init__(self, group, step: RingStep, algo: str, scale: float, device):
+    def __init__(
+        self, group, step: RingStep, algo: str, scale: float, device, paged_keys: PagedKeys | None = None
+    ):
+        """paged_keys: where this rank's cache can be read in place; a pass-Q decode step
+        then does so in its full-attention layers (attend_in_place)."""
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -274,8 +306,15 @@ class RingAttention:
         # layers of that window: pass-KV attends this rank's queries to every rank's keys,
         # pass-Q every rank's queries to this rank's keys.
         self._batches = {}
+        # Decode queries visit this rank one per sequence and see every key it holds of their
+        # sequence: the paged kernel's decode rows. (pass-KV sends the rank's keys, so it
+        # gathers them anyway; a longer chunk's queries would each read their keys alone.)
+        self.paged_keys = paged_keys if algo == "pass_q" and step.is_decode else None
         for other in range(self.size):
-            self._batch(*((self.rank, other) if algo == "pass_kv" else (other, self.rank)))
+            if self.paged_keys is not None:
+                self._paged_batch(other)
+            else:
+                self._batch(*((self.rank, other) if algo == "pass_kv" else (other, self.rank)))
         # Windowed layers: ring steps this rank skipped (no attention call), and transfers
         # it made, summed over layers (tests read them).
         self.skipped_steps = 0
@@ -333,9 +372,71 @@ class RingAttention:
             current, incoming = incoming, current
         return merge_partials(outs, lses, first_rows, rows, out_dtype=q.dtype)
 
+    def reads_in_place(self, window: AttentionWindow) -> bool:
+        """Whether a layer with this window calls attend_in_place rather than gathering
+        this rank's keys for __call__."""
+        return self.paged_keys is not None and window.is_full
+
+    def attend_in_place(self, q, k_cache, v_cache, block_table):
+        """pass-Q decode under full attention, this rank's keys read in place: q [Tq, NH, D]
+        this rank's new tokens (their KV already stored); k/v_cache [slots, NKV, D]; block_table
+        [rows, max_blocks] int32, this rank's share of the layer's KV group -> (out, lse) as
+        __call__."""
+
+        def attend_local(src, queries):
+            batch, rows = self._paged_batch(src)
+            if batch is None:  # no query of src sees a key here
+                return None
+            out, lse = paged_attention(
+                queries[rows], k_cache, v_cache, block_table, batch, self.paged_keys.block_size, self.scale
+            )
+            return out, lse, rows
+
+        return self._ring_q(q, attend_local)
+
+    def _paged_batch(self, src: int) -> tuple[PagedBatch | None, slice | torch.Tensor | None]:
+        """src's queries that see keys on this rank as the paged kernel's decode rows, each
+        over the first keys of its sequence's row here; and where they are among src's
+        queries (a slice where all are)."""
+        key = ("paged", src)
+        if key not in self._batches:
+            index, seq, count = self.step.keys_seen(src, self.rank)
+            n = len(index)
+            if n == 0:
+                self._batches[key] = None, None
+                return self._batches[key]
+            rows = [self.paged_keys.seq_rows[s] for s in seq.tolist()]
+            lens = count.tolist()
+            cu_q = list(range(n + 1))
+            # rows, lengths, query bounds (= each tile's sequence), each tile's first query
+            dev = torch.tensor(rows + lens + cu_q + [0] * n, dtype=torch.int32).to(
+                self.device, non_blocking=True
+            )
+            rows_d, lens_d, cu_q_d, zeros_d = dev.split([n, n, n + 1, n])
+            splits = self.paged_keys.splits(n, max(lens))
+            batch = PagedBatch(rows_d, cu_q_d, lens_d, cu_q_d[:n], zeros_d, 1, splits, cu_q, lens, rows)
+            everyone = n == self.step.num_queries(src)
+            where = slice(0, n) if everyone else index.to(self.device, non_blocking=True)
+            self.step.host_elements += 4 * n + 1
+            self._batches[key] = batch, where
+        return self._batches[key]
+
     def _pass_q(self, q, k_local, v_local, window: AttentionWindow = FULL_ATTENTION):
         if not window.is_full:
             return self._local_pass_q(q, k_local, v_local, window)
+
+        def attend_local(src, queries):
+            out, lse, first = attention_rows(
+                queries, k_local, v_local, self._batch(src, self.rank), self.scale
+            )
+            return out, lse, slice(first, first + out.shape[0])
+
+        return self._ring_q(q, attend_local)
+
+    def _ring_q(self, q, attend_local: Callable):
+        """The pass-Q ring over every rank: attend_local(src, src's queries) -> None or (out,
+        lse, rows): the partials of those queries (rows: a slice or index of them) that see
+        this rank's keys."""
         longest = max(self.step.num_queries(r) for r in range(self.size))
         current = q.new_zeros(longest, *q.shape[1:])
         current[: q.shape[0]] = q
@@ -345,12 +446,11 @@ class RingAttention:
         for step in range(self.size):
             src = (self.rank - step) % self.size  # whose queries these are
             pending = self._exchange(current, incoming) if step + 1 < self.size else []
-            n = self.step.num_queries(src)
-            out, lse, first = attention_rows(
-                current[:n], k_local, v_local, self._batch(src, self.rank), self.scale
-            )
-            outs[src, first : first + out.shape[0]] = out  # other rows stay 0 / -inf: unseen
-            lses[src, first : first + out.shape[0]] = lse
+            partial = attend_local(src, current[: self.step.num_queries(src)])
+            if partial is not None:
+                out, lse, rows = partial
+                outs[src, rows] = out  # other rows stay 0 / -inf: unseen
+                lses[src, rows] = lse
             for request in pending:
                 request.wait()
             current, incoming = incoming, current

@@ -9,10 +9,11 @@ the runner's step state as its prefill would be; then each decode step is timed 
 driver's StepInput to the ring's attention metadata for every rank (what a rank prepares on
 the host before the model runs): median ms per step, and the host-built index elements.
 The model itself does not run, so the figure is the step's preparation alone. Where the
-checkout gathers a rank's key slots (before pass-Q decode read the cache in place) with tensor ops meant for the device (the CP layout's
-BlockTables.key_slots: O(keys on the rank), queued asynchronously on a GPU), that part is
-timed alone too, since on a CPU it runs on the host. --threads: torch's intra-op threads
-(1 by default: on a small shared box more threads only contend).
+checkout gathers a rank's key slots (before pass-Q decode read the cache in place) with
+tensor ops meant for the device (BlockTables.key_slots: O(keys on the rank), queued
+asynchronously on a GPU), that part is timed alone too, since on a CPU it runs on the host.
+--threads: torch's intra-op threads (1 by default: on a small shared box more threads only
+contend).
 
 Before/after: the same script runs against an older checkout (PYTHONPATH=that tree), whose
 StepInput.from_batch takes no layout.

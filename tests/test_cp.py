@@ -188,7 +188,10 @@ def test_pass_q_decode_reads_the_paged_cache_in_place(kernel):
     if kernel == "reference":
         return check_decode_in_place()
     pytest.importorskip("triton")
-    script = "import sys; sys.path.insert(0, 'tests'); import test_cp; test_cp.check_decode_in_place(); print('ok')"
+    script = (
+        "import sys\nsys.path.insert(0, 'tests')\nimport test_cp\n"
+        "test_cp.check_decode_in_place()\nprint('ok')"
+    )
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240

@@ -384,13 +384,13 @@ class RingAttention:
         __call__."""
 
         def attend_local(src, queries):
-            batch, rows = self._paged_batch(src)
+            batch, seeing = self._paged_batch(src)  # seeing: which of src's queries
             if batch is None:  # no query of src sees a key here
                 return None
             out, lse = paged_attention(
-                queries[rows], k_cache, v_cache, block_table, batch, self.paged_keys.block_size, self.scale
+                queries[seeing], k_cache, v_cache, block_table, batch, self.paged_keys.block_size, self.scale
             )
-            return out, lse, rows
+            return out, lse, seeing
 
         return self._ring_q(q, attend_local)
 
@@ -405,16 +405,18 @@ class RingAttention:
             if n == 0:
                 self._batches[key] = None, None
                 return self._batches[key]
-            rows = [self.paged_keys.seq_rows[s] for s in seq.tolist()]
+            table_rows = [self.paged_keys.seq_rows[s] for s in seq.tolist()]
             lens = count.tolist()
             cu_q = list(range(n + 1))
-            # rows, lengths, query bounds (= each tile's sequence), each tile's first query
-            dev = torch.tensor(rows + lens + cu_q + [0] * n, dtype=torch.int32).to(
+            # table rows, lengths, query bounds (= each tile's sequence), each tile's first query
+            dev = torch.tensor(table_rows + lens + cu_q + [0] * n, dtype=torch.int32).to(
                 self.device, non_blocking=True
             )
-            rows_d, lens_d, cu_q_d, zeros_d = dev.split([n, n, n + 1, n])
+            table_rows_d, lens_d, cu_q_d, zeros_d = dev.split([n, n, n + 1, n])
             splits = self.paged_keys.splits(n, max(lens))
-            batch = PagedBatch(rows_d, cu_q_d, lens_d, cu_q_d[:n], zeros_d, 1, splits, cu_q, lens, rows)
+            batch = PagedBatch(
+                table_rows_d, cu_q_d, lens_d, cu_q_d[:n], zeros_d, 1, splits, cu_q, lens, table_rows
+            )
             everyone = n == self.step.num_queries(src)
             where = slice(0, n) if everyone else index.to(self.device, non_blocking=True)
             self.step.host_elements += 4 * n + 1

@@ -83,10 +83,10 @@ def attention_with_lse(q, k, v, batch: VarlenBatch, scale: float, window: Attent
             return _math_varlen(q, k, v, batch, scale, window)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and batch.causal_suffix:
         # cuDNN is the fastest kernel with LSE on Hopper (about twice the flash kernel at
-        # long lengths), called per sequence: for whole prompts, and for long chunks after a
-        # cached prefix (chunked prefill, follow-up turns). Batches with short or many rows
-        # (decode, mixed steps) take one flash varlen call.
-        if batch.q_bounds is not None and (batch.q_bounds == batch.k_bounds or _long_chunks(batch.q_bounds)):
+        # long lengths), called per sequence where some sequence has CUDNN_MIN_LEN queries
+        # or more (long prompts, long chunks after a cached prefix). Batches of short
+        # sequences take one flash varlen call: no per-shape plan, and one launch.
+        if batch.q_bounds is not None and _long_sequences(batch.q_bounds):
             return dense_per_sequence(q, k, v, batch.q_bounds, batch.k_bounds, scale)
         return _flash_varlen(q, k, v, batch, scale)
     if not q.is_cuda and batch.causal_suffix and batch.q_bounds is not None:
@@ -187,35 +187,145 @@ def _decode_varlen(q, k, v, plan: AttentionPlan, scale: float):
     return out, lse
 
 
-_LONG_CHUNK = 512  # queries per sequence from which per-sequence cuDNN calls beat one flash call
-
-
-def _long_chunks(q_bounds: list[int]) -> bool:
-    return min(b - a for a, b in zip(q_bounds[:-1], q_bounds[1:])) >= _LONG_CHUNK
+def _long_sequences(q_bounds: list[int]) -> bool:
+    """Whether some sequence has queries enough for cuDNN (bounded_shape_block)."""
+    return max(b - a for a, b in zip(q_bounds[:-1], q_bounds[1:])) >= CUDNN_MIN_LEN
 
 
 _CUDNN_GQA: bool | None = None  # whether cuDNN takes fewer K/V heads than query heads
 
+# cuDNN builds an execution plan for every new shape (66-69 ms at each new length on an
+# H100 with Llama-3-8B's heads, 41 ms on an H200, then well under 1 ms a call), so it is
+# only ever shown shapes of a bounded set (bounded_shape_block): SHAPE_BITS lengths per
+# octave, and keys in powers of two. Blocks with fewer than CUDNN_MIN_LEN queries or keys
+# take the flash kernel, which has no per-shape cost; below that length cuDNN's lead is
+# small (0.115 against 0.180 ms at 2K causal on an H200, bench/bench_prefill_kernels.py).
+SHAPE_BITS = 4
+CUDNN_MIN_LEN = 2048
+
+
+def length_above(n: int) -> int:
+    """The smallest length of the bounded set that is >= n: 2**SHAPE_BITS lengths per
+    octave, so at most 1/16 above n."""
+    unit = 1 << max(0, n.bit_length() - 1 - SHAPE_BITS)
+    return -(-n // unit) * unit
+
+
+def bounded_lengths(lo: int, hi: int) -> list[int]:
+    """Every length of the bounded set in lo .. hi (the causal shapes to warm up)."""
+    lengths, n = [], length_above(lo)
+    while n <= hi:
+        lengths.append(n)
+        n = length_above(n + 1)
+    return lengths
+
+
+def key_pieces(n: int) -> list[int]:
+    """Keys of an unmasked block as cuDNN takes them: the powers of two >= CUDNN_MIN_LEN
+    that n's binary form holds, largest first (their sum; the rest goes to flash)."""
+    return [1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1 and 1 << b >= CUDNN_MIN_LEN]
+
 
 def dense_block(q, k, v, causal: bool, scale: float):
     """One block with no mask, or a causal diagonal (Lq == Lk): q [Lq, NH, D], k/v [Lk, NKV, D]."""
-    global _CUDNN_GQA
-    group = q.shape[1] // k.shape[1]
-    # [1, H, L, D] views of the packed [L, H, D] rows; the kernels read the strides.
-    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     if not q.is_cuda:
-        # The CPU flash kernel: tiles of scores in float32 (also for bfloat16 inputs), output
-        # in q's dtype, LSE [1, NH, Lq] float32. It takes NKV < NH heads (query head h reads
-        # KV head h // group), so GQA needs no copy; its causal flag is top-left aligned,
-        # which is what a diagonal block (Lq == Lk) needs.
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qs, ks, vs, 0.0, causal, attn_mask=None, scale=scale
-        )
-        return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+        return _cpu_flash_block(q, k, v, causal, scale)
     if q.dtype not in (torch.float16, torch.bfloat16):
         # cuDNN's SDPA is for half precision: given float32 on an H200 it raised nothing and
         # returned garbage (NaN logits for Llama 4's chunks in float32). Explicit scores.
         return dense_block_math(q, k, v, causal, scale)
+    return bounded_shape_block(q, k, v, causal, scale, _cudnn_block, _flash_block)
+
+
+def bounded_shape_block(q, k, v, causal: bool, scale: float, fixed_shape_kernel, any_shape_kernel):
+    """dense_block through fixed_shape_kernel (cuDNN: a plan per shape) shown only shapes
+    of a bounded set, any_shape_kernel (flash) for the rest; both (q, k, v, causal, scale)
+    -> (out, lse).
+
+    - A causal diagonal is padded at the end to length_above(L): under the top-left causal
+      mask no real query sees a padded key, and the padded queries' rows are dropped.
+    - An unmasked block pads its queries the same way. Its keys cannot be padded (every
+      query would see them): they go in pieces of the powers of two in Lk's binary form
+      (key_pieces), the few left over to any_shape_kernel, merged by LSE. A chunk after
+      a cached prefix then meets O(log) key shapes, whatever the prefix's length.
+    """
+    lq, lk = q.shape[0], k.shape[0]
+    if min(lq, lk) < CUDNN_MIN_LEN:
+        return any_shape_kernel(q, k, v, causal, scale)
+    if causal:
+        n = length_above(lq)
+        out, lse = fixed_shape_kernel(_pad_rows(q, n), _pad_rows(k, n), _pad_rows(v, n), True, scale)
+        return out[:lq], lse[:lq]
+    padded_q = _pad_rows(q, length_above(lq))
+    outs, lses, k0 = [], [], 0
+    for piece in key_pieces(lk):
+        out, lse = fixed_shape_kernel(padded_q, k[k0 : k0 + piece], v[k0 : k0 + piece], False, scale)
+        outs.append(out[:lq])
+        lses.append(lse[:lq])
+        k0 += piece
+    if k0 < lk:
+        out, lse = any_shape_kernel(q, k[k0:], v[k0:], False, scale)
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return merge_partials(outs, lses, out_dtype=q.dtype)
+
+
+def warm_up_cudnn(num_heads, num_kv_heads, head_dim, dtype, device, longest_chunk: int, chunks, longest_keys):
+    """Build ahead of traffic the cuDNN plans that prefill meets most: every causal length
+    of the bounded set up to longest_chunk (whole prompts), and the chunk lengths `chunks`
+    against every power-of-two key piece up to longest_keys (chunks after a cached
+    prefix). Returns how many shapes were built; other bounded shapes are built once, when
+    first met."""
+    q = torch.zeros(length_above(longest_chunk), num_heads, head_dim, dtype=dtype, device=device)
+    k = torch.zeros(max(q.shape[0], longest_keys), num_kv_heads, head_dim, dtype=dtype, device=device)
+    shapes = 0
+    for n in bounded_lengths(CUDNN_MIN_LEN, longest_chunk):
+        _cudnn_block(q[:n], k[:n], k[:n], True, 1.0)
+        shapes += 1
+    for n in sorted({length_above(c) for c in chunks if c >= CUDNN_MIN_LEN}):
+        piece = CUDNN_MIN_LEN
+        while piece <= longest_keys:
+            _cudnn_block(q[:n], k[:piece], k[:piece], False, 1.0)
+            shapes += 1
+            piece *= 2
+    return shapes
+
+
+def _pad_rows(x, n: int):
+    """x [L, H, D] with zero rows appended up to n (x itself when L == n)."""
+    return x if x.shape[0] == n else torch.nn.functional.pad(x, (0, 0, 0, 0, 0, n - x.shape[0]))
+
+
+def _cpu_flash_block(q, k, v, causal: bool, scale: float):
+    """The CPU flash kernel: tiles of scores in float32 (also for bfloat16 inputs), output
+    in q's dtype, LSE float32. It takes NKV < NH heads (query head h reads KV head
+    h // group), so GQA needs no copy; its causal flag is top-left aligned, which is what a
+    diagonal block (Lq == Lk) needs."""
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, L, D] views
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qs, ks, vs, 0.0, causal, attn_mask=None, scale=scale
+    )
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def _flash_block(q, k, v, causal: bool, scale: float):
+    """The flash kernel on one sequence ([1, L, H, D], its own layout): no plan, fewer KV
+    heads taken as they are; its causal mask is bottom-right aligned, the same as top-left
+    for a diagonal (Lq == Lk)."""
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, None, q.shape[0], k.shape[0], 0.0,
+        causal, False, scale=scale,
+    )  # fmt: skip
+    return out[0], lse[0].transpose(0, 1)  # lse [1, NH, Lq] -> [Lq, NH]
+
+
+def _cudnn_block(q, k, v, causal: bool, scale: float):
+    """cuDNN's SDPA with LSE (top-left causal): the fastest kernel on Hopper at long lengths."""
+    global _CUDNN_GQA
+    group = q.shape[1] // k.shape[1]
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, L, D] views
     if _CUDNN_GQA is not False or group == 1:
         try:
             out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(

@@ -448,10 +448,18 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache; None: a default per device
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill above it)
+    max_num_batched_tokens: int = 2048  # token budget of a step while some sequence decodes
+    max_prefill_tokens: int | None = None  # of a step while none does; None: prefill_budget()
     max_num_seqs: int = 256  # sequences running at once
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs for decode
+
+    def prefill_budget(self) -> int:
+        """Tokens a step computes while no sequence decodes: large chunks for a prompt alone
+        (SGLang's max_prefill_tokens is 16384 too), never below max_num_batched_tokens."""
+        if self.max_prefill_tokens is not None:
+            return self.max_prefill_tokens
+        return max(16384, self.max_num_batched_tokens)
 
 
 DTYPES = {

@@ -31,7 +31,7 @@ class LLM:
     Every other keyword is an engine option, defined with its default and meaning in
     ringserve/options.py (EngineOptions): device, dtype, tp, cp, dp, ep, ranks_per_host,
     allreduce, cp_algo, timeout_s, block_size, num_blocks, kv_cache_memory,
-    gpu_memory_utilization, max_model_len, max_num_batched_tokens, max_num_seqs,
+    gpu_memory_utilization, max_model_len, max_num_batched_tokens, max_prefill_tokens, max_num_seqs,
     enable_prefix_caching, enforce_eager, show_progress. An unknown keyword is a TypeError
     naming the close matches; a value that cannot work is a ValueError naming the option.
     """

@@ -102,7 +102,14 @@ class EngineOptions:
         None, "longest sequence (prompt + output) in tokens; default: the model's context"
     )
     max_num_batched_tokens: int = _opt(
-        2048, "tokens computed per step; longer prompts are prefilled in chunks"
+        2048,
+        "tokens computed per step while some sequence decodes (so its next token is not held "
+        "back); longer prompts are prefilled in chunks",
+    )
+    max_prefill_tokens: int | None = _opt(
+        None,
+        "tokens computed per step while no sequence decodes (prompts only: a long prompt alone, "
+        "a burst of arrivals); default: the larger of 16384 and max_num_batched_tokens",
     )
     max_num_seqs: int = _opt(256, "sequences running at once")
     enable_prefix_caching: bool = _opt(
@@ -139,9 +146,22 @@ class EngineOptions:
             _check_choice("dtype", self.dtype, _field("dtype").metadata["choices"])
         for name in ("tp", "cp", "ep", "block_size", "max_num_batched_tokens", "max_num_seqs"):
             _check_int(name, getattr(self, name))
-        for name in ("dp", "ranks_per_host", "num_blocks", "kv_cache_memory", "max_model_len"):
+        for name in (
+            "dp",
+            "ranks_per_host",
+            "num_blocks",
+            "kv_cache_memory",
+            "max_model_len",
+            "max_prefill_tokens",
+        ):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name))
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.max_num_batched_tokens:
+            raise OptionError(
+                "max_prefill_tokens",
+                f"must be at least max_num_batched_tokens ({self.max_num_batched_tokens}), "
+                f"got {self.max_prefill_tokens}",
+            )
         _check_choice("allreduce", self.allreduce, BACKENDS)
         _check_choice("cp_algo", self.cp_algo, CP_ALGOS)
         if not _is_number(self.timeout_s) or not 0 < self.timeout_s < math.inf:

@@ -117,11 +117,21 @@ def paged_attention_reference(
 ):
     """Gather each sequence's pages from the first one its queries see (by its block table)
     and run the dense varlen attention."""
+    slots, varlen = gather_plan(block_tables, batch, block_size, window, q.device)
+    return attention_with_lse(
+        q, k_cache.index_select(0, slots), v_cache.index_select(0, slots), varlen, scale, window
+    )
+
+
+def gather_plan(block_tables, batch: PagedBatch, block_size: int, window: AttentionWindow, device):
+    """(slots [K] int64, VarlenBatch): the cache slots of every key the batch's queries may
+    see, packed per sequence in position order from the first block its first query sees,
+    and the dense varlen batch of the queries over those gathered keys."""
     cu_q = batch.host_cu_q if batch.host_cu_q is not None else batch.cu_q.tolist()
     lens = batch.host_seq_lens if batch.host_seq_lens is not None else batch.seq_lens.tolist()
     rows = batch.host_seq_rows if batch.host_seq_rows is not None else batch.seq_rows.tolist()
     slots, cu_k, firsts = [], [0], []
-    offsets = torch.arange(block_size, device=k_cache.device)
+    offsets = torch.arange(block_size, device=block_tables.device)
     for row, n, a, b in zip(rows, lens, cu_q[:-1], cu_q[1:]):
         first_block = window.first_visible(n - (b - a)) // block_size if n > b - a else 0
         first = first_block * block_size
@@ -129,24 +139,21 @@ def paged_attention_reference(
         slots.append((pages[:, None] * block_size + offsets).flatten()[: n - first])
         cu_k.append(cu_k[-1] + n - first)
         firsts.append(first)
-    slots = torch.cat(slots)
     q_positions = torch.cat([torch.arange(n - (b - a), n) for a, b, n in zip(cu_q[:-1], cu_q[1:], lens)])
     k_positions = torch.cat([torch.arange(first, n) for first, n in zip(firsts, lens)])
     varlen = VarlenBatch(
-        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=q.device),
-        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=q.device),
+        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True),
+        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32).to(device, non_blocking=True),
         max_seqlen_q=max(b - a for a, b in zip(cu_q[:-1], cu_q[1:])),
         max_seqlen_k=max(lens),
-        q_positions=q_positions.to(q.device),
-        k_positions=k_positions.to(q.device),
+        q_positions=q_positions.to(device, non_blocking=True),
+        k_positions=k_positions.to(device, non_blocking=True),
         causal_suffix=True,
         q_bounds=list(cu_q),
         k_bounds=cu_k,
         k_offsets=firsts,
     )
-    return attention_with_lse(
-        q, k_cache.index_select(0, slots), v_cache.index_select(0, slots), varlen, scale, window
-    )
+    return torch.cat(slots), varlen
 
 
 def _paged_triton(

@@ -25,6 +25,7 @@ from ringserve.benchmarks.datasets import (
     sharegpt_requests,
 )
 from ringserve.benchmarks.metrics import summarize
+from ringserve.benchmarks.serve import max_rate_meeting_slos
 from ringserve.cli import main
 
 from conftest import KEY, MAX_MODEL_LEN, scrape_metrics
@@ -159,6 +160,36 @@ def test_sweep_records_ttft_per_length_and_compares_by_cp(live, tmp_path, capsys
     assert plot.read_bytes()[:8] == PNG
 
 
+def test_rate_sweep_reports_goodput_per_rate_and_the_highest_rate_held(live, tmp_path, capsys):
+    code, result = _bench(
+        live,
+        tmp_path,
+        *("--num-prompts", "4", "--random-input-len", "12", "--random-output-len", "3", "--ignore-eos"),
+        *("--request-rate-sweep", "20,40", "--goodput", "ttft:60000", "tpot:60000"),
+        *("--plot", str(tmp_path / "rates.png")),
+    )
+    assert code == 0 and result["request_rate"] == [20, 40]
+    points = result["rate_sweep"]
+    assert [p["request_rate"] for p in points] == [20, 40]
+    assert all(p["completed"] == 4 and p["request_goodput_share"] == 1.0 for p in points)
+    assert result["completed"] == 8 and result["max_rate_meeting_slos"] == 40
+    out = capsys.readouterr().out
+    assert (
+        "Goodput by request rate" in out and "highest rate at which 99% of requests meet every SLO: 40" in out
+    )
+    assert (tmp_path / "rates.png").read_bytes()[:8] == PNG
+
+
+def test_the_highest_rate_held_is_below_the_first_rate_that_misses():
+    def point(rate, share):
+        return {"request_rate": rate, "request_goodput_share": share}
+
+    points = [point(16, 0.995), point(4, 1.0), point(8, 0.99), point(12, 0.97), point(20, 1.0)]
+    assert max_rate_meeting_slos(points, 0.99) == 8  # 20 held again, past a miss: not counted
+    assert max_rate_meeting_slos(points, 0.999) == 4
+    assert max_rate_meeting_slos([point(4, 0.5)], 0.99) is None
+
+
 def test_prompts_have_exact_token_lengths(live):
     tok = live.engine.tokenizer  # the built-in model's
     text = PromptMaker(tok, np.random.default_rng(0), as_text=True)
@@ -224,6 +255,7 @@ def test_summary_follows_vllms_definitions():
     assert s["request_throughput"] == 1.5 and s["output_throughput"] == 4.5
     assert s["total_token_throughput"] == pytest.approx(39 / 2)
     assert s["request_goodput"] == 1.0  # two of the three under 250 ms TTFT, in 2 s
+    assert s["request_goodput_share"] == 0.5  # two of four requests (a failure is not good)
     assert s["mean_ttft_ms"] == pytest.approx(200) and s["p100_ttft_ms"] == pytest.approx(300)
     assert s["mean_tpot_ms"] == pytest.approx(20) and s["p50_tpot_ms"] == pytest.approx(20)
     assert s["median_itl_ms"] == pytest.approx(10) and s["p100_itl_ms"] == pytest.approx(40)
@@ -339,3 +371,9 @@ def test_bad_flags_exit_2(capsys):
     assert "unknown speed" in capsys.readouterr().err
     assert main(["bench", "serve", "--port", "1", "--num-prompts", "1"]) == 2
     assert "cannot reach the server" in capsys.readouterr().err
+    assert main(["bench", "serve", "--request-rate-sweep", "4,8"]) == 2
+    assert "needs the SLOs it checks: --goodput" in capsys.readouterr().err
+    assert main(["bench", "serve", "--request-rate-sweep", "4,0", "--goodput", "ttft:350"]) == 2
+    assert "positive rates" in capsys.readouterr().err
+    assert main(["bench", "serve", "--slo-share", "1.5"]) == 2
+    assert "--slo-share must be in (0, 1]" in capsys.readouterr().err

@@ -357,6 +357,7 @@ def test_chunked_prefill_and_preemption_under_cp(algo, tiny_model_dir, reference
         cp=2,
         cp_algo=algo,
         max_num_batched_tokens=18,
+        max_prefill_tokens=18,
         num_blocks=20,
         max_model_len=160,
     ) as llm:

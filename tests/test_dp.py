@@ -153,7 +153,7 @@ def _run_uneven(folder, layout, monkeypatch):
 
     monkeypatch.setattr(engine_module, "_sample_or_blame", recording_sample)
     tokens = {}
-    with LLM(folder, **ENGINE, max_num_batched_tokens=8, **layout) as llm:
+    with LLM(folder, **ENGINE, max_num_batched_tokens=8, max_prefill_tokens=8, **layout) as llm:
         engine = llm.engine
         real_execute = engine.executor.execute
 

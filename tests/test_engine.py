@@ -67,7 +67,7 @@ def test_requests_join_and_leave_mid_batch(llama):
 def test_chunked_prefill_equals_unchunked(llama):
     prompts = prompts_of_lengths([70, 33, 5])
     expected = alone(llama, prompts)
-    with LLM(llama, device="cpu", dtype="float32", max_num_batched_tokens=16) as llm:
+    with LLM(llama, device="cpu", dtype="float32", max_num_batched_tokens=16, max_prefill_tokens=16) as llm:
         outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expected
 

@@ -131,7 +131,9 @@ def test_windowed_groups_stay_bounded_while_the_full_group_grows(hybrid):
     folder, ref = hybrid
     prompts = [TOKENS[:30], TOKENS[40:52]]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    with LLM(folder, device="cpu", dtype="float32", block_size=BS, max_num_batched_tokens=16) as llm:
+    with LLM(
+        folder, device="cpu", dtype="float32", block_size=BS, max_num_batched_tokens=16, max_prefill_tokens=16
+    ) as llm:
         groups = llm.engine.kv_groups
         tokens, most, last = _run_counting_blocks(llm.engine, prompts, params)
     full = groups.lookbacks.index(None)
@@ -156,7 +158,9 @@ def test_hybrid_chunked_prefill_and_prefix_hit_match_transformers(hybrid):
     folder, ref = hybrid
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     first, second = TOKENS[:33], TOKENS[:24] + TOKENS[60:70]
-    with LLM(folder, device="cpu", dtype="float32", block_size=BS, max_num_batched_tokens=5) as llm:
+    with LLM(
+        folder, device="cpu", dtype="float32", block_size=BS, max_num_batched_tokens=5, max_prefill_tokens=5
+    ) as llm:
         assert llm.generate([first], params)[0].token_ids == hf_greedy(ref, first, 20)
         before = llm.engine.num_computed_tokens
         out = llm.generate([second], params)[0]

@@ -279,7 +279,9 @@ def test_windowed_chunked_prefill_and_prefix_hit_match_transformers(tiny_model_d
     first, second = MISTRAL_TOKENS[:33], MISTRAL_TOKENS[:24] + MISTRAL_TOKENS[40:50]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     ref = hf_model(folder)
-    with LLM(folder, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=5) as llm:
+    with LLM(
+        folder, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=5, max_prefill_tokens=5
+    ) as llm:
         assert llm.generate([first], params)[0].token_ids == hf_greedy(ref, first, 20)
         before = llm.engine.num_computed_tokens
         out = llm.generate([second], params)[0]

@@ -45,6 +45,7 @@ REACHED = {
     "gpu_memory_utilization": lambda e, rec: rec["spec"].engine_config.gpu_memory_utilization,
     "max_model_len": lambda e, rec: e.max_model_len,
     "max_num_batched_tokens": lambda e, rec: e.scheduler.max_num_batched_tokens,
+    "max_prefill_tokens": lambda e, rec: e.scheduler.max_prefill_tokens,
     "max_num_seqs": lambda e, rec: e.scheduler.max_num_seqs,
     "enable_prefix_caching": lambda e, rec: e.block_manager.enable_prefix_caching,
     "enforce_eager": lambda e, rec: rec["spec"].engine_config.enforce_eager,
@@ -73,6 +74,7 @@ def non_default_values(model_dir: str) -> dict:
         gpu_memory_utilization=0.5,
         max_model_len=333,
         max_num_batched_tokens=99,
+        max_prefill_tokens=199,
         max_num_seqs=7,
         enable_prefix_caching=False,
         enforce_eager=True,
@@ -226,6 +228,7 @@ INVALID = {
     "gpu_memory_utilization": [0, 1.5, -0.1],
     "max_model_len": [0, -5],
     "max_num_batched_tokens": [0, -1],
+    "max_prefill_tokens": [0, 1],  # 1: below max_num_batched_tokens
     "max_num_seqs": [0, -1],
     "enable_prefix_caching": ["no"],
     "enforce_eager": [1],

@@ -83,9 +83,12 @@ def test_freed_cached_blocks_are_evicted_least_recently_used_first():
     assert serve(b) == 4  # only its first block left
 
 
-def check_every_step(scheduler, max_num_seqs: int, max_num_batched_tokens: int) -> list[bool]:
+def check_every_step(
+    scheduler, max_num_seqs: int, max_num_batched_tokens: int, max_prefill_tokens: int | None = None
+) -> list[bool]:
     """Wrap the scheduler's schedule so that every step is checked: at most max_num_seqs
-    running and in the batch, at most max_num_batched_tokens computed, and in a step that
+    running and in the batch, at most max_num_batched_tokens computed while some running
+    sequence has its prompt computed (max_prefill_tokens while none has), and in a step that
     preempted, no request admitted (a waiting one would take the blocks just freed, and the
     preempted one, readmitted at once, could lose them again: either can starve). Returns
     the list, filled per step, of whether it preempted."""
@@ -94,12 +97,14 @@ def check_every_step(scheduler, max_num_seqs: int, max_num_batched_tokens: int) 
 
     def checked_schedule():
         computed_before = {s.request_id: s.num_computed_tokens for s in scheduler.running}
+        decoding = any(s.num_tokens - s.num_computed_tokens <= 1 for s in scheduler.running)
+        limit = max_num_batched_tokens if decoding else (max_prefill_tokens or max_num_batched_tokens)
         preemptions_before = scheduler.num_preemptions
         batch = schedule()
         preempted = scheduler.num_preemptions > preemptions_before
         preempted_steps.append(preempted)
         assert len(batch.seqs) <= max_num_seqs and len(scheduler.running) <= max_num_seqs
-        assert sum(batch.num_tokens) <= max_num_batched_tokens
+        assert sum(batch.num_tokens) <= limit
         if preempted:
             # Admitted: not running before, or preempted (its computed tokens dropped) and back.
             admitted = {
@@ -119,7 +124,13 @@ def test_limits_every_step_and_chunked_logits(llama):
     params = scored(6)
     expected = uncached(llama, prompts, params)
     with LLM(
-        llama, device="cpu", dtype="float32", block_size=4, max_num_seqs=3, max_num_batched_tokens=16
+        llama,
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        max_num_seqs=3,
+        max_num_batched_tokens=16,
+        max_prefill_tokens=16,
     ) as llm:
         check_every_step(llm.engine.scheduler, 3, 16)
         got = run_requests(llm.engine, prompts, params)
@@ -143,6 +154,7 @@ def test_no_admission_in_a_step_that_preempts_and_preempted_logits(prefix_cachin
         max_model_len=128,
         max_num_seqs=4,
         max_num_batched_tokens=12,
+        max_prefill_tokens=12,
         enable_prefix_caching=prefix_caching,
     ) as llm:
         preempted_steps = check_every_step(llm.engine.scheduler, 4, 12)

@@ -46,7 +46,9 @@ def test_builtin_prompt_logprobs_over_chunks_and_a_cached_prefix(builtin_dir):
     the prefix cache for a plain one; a second request with prompt logprobs, its prefix now
     cached, still scores every prompt token (computing the whole prompt). Only the rows
     that score or sample return logits."""
-    with LLM(None, device="cpu", dtype="float32", max_num_batched_tokens=16, block_size=16) as llm:
+    with LLM(
+        None, device="cpu", dtype="float32", max_num_batched_tokens=16, max_prefill_tokens=16, block_size=16
+    ) as llm:
         prompt = llm.tokenizer.encode(TEXT)
         cacheable = (len(prompt) - 1) // 16 * 16
         assert cacheable >= 3 * 16
@@ -87,7 +89,9 @@ def test_prompt_logprobs_survive_a_preemption_mid_prefill(tiny_model_dir):
     with LLM(folder, device="cpu", dtype="float32") as llm:
         alone = llm.generate([long], params)[0]
     # 16 blocks of 8 tokens: the decode reaches 110 tokens, the long prompt needs 14 blocks.
-    options = dict(block_size=8, num_blocks=16, max_model_len=128, max_num_batched_tokens=9)
+    options = dict(
+        block_size=8, num_blocks=16, max_model_len=128, max_num_batched_tokens=9, max_prefill_tokens=9
+    )
     with LLM(folder, device="cpu", dtype="float32", **options) as llm:
         _, out = llm.generate([short, long], [grow, params])
         assert llm.engine.num_preemptions > 0
@@ -119,7 +123,14 @@ def test_prompt_logprobs_over_ranks(layout, tiny_model_dir):
     prompt = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=4)
     with LLM(
-        folder, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=12, timeout_s=60, **layout
+        folder,
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        max_num_batched_tokens=12,
+        max_prefill_tokens=12,
+        timeout_s=60,
+        **layout,
     ) as llm:
         out, plain = llm.generate(
             [prompt, prompt[:20]], [params, SamplingParams(max_tokens=3, temperature=0)]

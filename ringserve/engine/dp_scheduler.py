@@ -4,9 +4,9 @@ gives each new request to one of them.
 Each replica (tp x cp ranks along the mesh's dp dimension) serves its own requests with its
 own Scheduler, BlockManager (so its own prefix cache) and runner rows. `DataParallelScheduler`
 offers the engine the one Scheduler interface over all of them. A step schedules every
-replica, each within its own token budget: a long prompt is prefilled in chunks of at most
-max_num_batched_tokens, so a replica with only decode work waits at most one such chunk
-per token when the replicas step together. The step's batch lists replica 0's sequences
+replica, each within its own token budget: while any replica decodes, a long prompt is
+prefilled in chunks of at most max_num_batched_tokens, so a replica with only decode work
+waits at most one such chunk per token when the replicas step together. The step's batch lists replica 0's sequences
 first, then replica 1's, and so on; `step_input` makes each replica's part of it.
 
 Routing, as vLLM's data-parallel load balancing: the replica with the least load, counted in
@@ -33,6 +33,10 @@ class DataParallelScheduler:
     @property
     def max_num_batched_tokens(self) -> int:
         return self.replicas[0].max_num_batched_tokens
+
+    @property
+    def max_prefill_tokens(self) -> int:
+        return self.replicas[0].max_prefill_tokens
 
     @property
     def max_num_seqs(self) -> int:
@@ -76,10 +80,12 @@ class DataParallelScheduler:
         return any(s.has_unfinished() for s in self.replicas)
 
     def schedule(self) -> ScheduledBatch:
-        """Every replica's next step, replica after replica."""
+        """Every replica's next step, replica after replica; each takes the decode budget
+        while any replica decodes, as they step together."""
         batch = ScheduledBatch([], [])
+        decoding = any(s.decoding() for s in self.replicas)
         for s in self.replicas:
-            part = s.schedule()
+            part = s.schedule(decoding)
             batch.seqs += part.seqs
             batch.num_tokens += part.num_tokens
         return batch

@@ -134,6 +134,7 @@ class LLMEngine:
                 ),
                 ec.max_num_batched_tokens,
                 ec.max_num_seqs,
+                ec.prefill_budget(),
             )
             for _ in range(parallel.dp)
         ]

@@ -4,7 +4,7 @@ KV is written in the paged cache, and the attention over it (paged, dense, or th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,7 +13,7 @@ from ringserve.config import FULL_ATTENTION, AttentionWindow
 from ringserve.engine.kv_cache import KVCache
 from ringserve.kernels import rotary_store_kv, store_kv
 from ringserve.lse_merge import add_sinks
-from ringserve.paged_attention import PagedBatch, paged_attention
+from ringserve.paged_attention import PagedBatch, gather_plan, paged_attention
 from ringserve.parallel.cp import RingAttention
 from ringserve.skinny_matmul import qkv_rope_store
 
@@ -74,19 +74,33 @@ class PagedAttentionContext(_StepContext):
     - dense: every sequence is a fresh prompt, its keys exactly this step's tokens: dense
       varlen attention over the new k and v (the cache is only written);
     - otherwise (decode, chunks after a cached prefix, mixed steps): paged attention reads
-      every sequence's keys in place through its block table.
+      every sequence's keys in place through its block table;
+    - gather_paged (long chunks after a cached prefix, no decode row): each sequence's
+      keys are gathered once per KV group and window, then dense attention, whose cuDNN
+      blocks outrun the paged kernel on long chunks (runner.gathers_long_chunks).
     """
 
     scale: float
     dense: VarlenBatch | None = None
     paged: PagedBatch | None = None
     block_tables: torch.Tensor | None = None  # [groups, rows, max_blocks] int32, the runner's
+    gather_paged: bool = False
+    # (KV group, window) -> (slots, VarlenBatch) of the gathered keys; made by the first layer
+    _gathered: dict = field(default_factory=dict)
 
     def attend(self, layer: int, q, k, v, sinks=None, rope=None, kv_stored=False):
         q, k, k_cache, v_cache = self.write_kv(layer, q, k, v, rope, kv_stored)
         window = self.window(layer)
         if self.dense is not None:
             out, lse = attention_with_lse(q, k, v, self.dense, self.scale, window)
+        elif self.gather_paged:
+            group = self.kv_cache.groups.layer_group[layer]
+            if (group, window) not in self._gathered:
+                self._gathered[group, window] = gather_plan(
+                    self.block_tables[group], self.paged, self.kv_cache.block_size, window, q.device
+                )
+            slots, varlen = self._gathered[group, window]
+            out, lse = attention_with_lse(q, k_cache[slots], v_cache[slots], varlen, self.scale, window)
         else:
             out, lse = paged_attention(
                 q,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringserve.attention import VarlenBatch
+from ringserve.attention import CUDNN_MIN_LEN, VarlenBatch
 from ringserve.config import FULL_ATTENTION
 from ringserve.engine.forward_context import PagedAttentionContext, RingAttentionContext
 from ringserve.engine.kv_cache import KVCache
@@ -212,10 +212,20 @@ class ModelRunner:
                 seq_rows_d, cu_q_d, seq_lens_d, tile_seq_d, tile_q0_d, qpt, splits, cu_q, seq_lens, step.rows,
                 one_block=decode and fits_one_block(max(seq_lens), splits),
             )  # fmt: skip
-            ctx = self._context(slots, paged=paged)
+            ctx = self._context(slots, paged=paged, gather_paged=self.gathers_long_chunks(q_lens))
         return ids, pos, ctx, logit_rows_d
 
-    def _context(self, slots, dense=None, paged=None) -> PagedAttentionContext:
+    def gathers_long_chunks(self, q_lens: list[int]) -> bool:
+        """Whether a step of chunks after cached prefixes gathers their keys for dense
+        attention (PagedAttentionContext.gather_paged): on a GPU in half precision when
+        every sequence brings CUDNN_MIN_LEN new tokens or more, where cuDNN's blocks run
+        at about twice the paged kernel's speed and the gather costs a copy of the keys
+        per layer (bench/bench_prefill_kernels.py). Decode rows and short chunks read in place."""
+        dtype = self.model.model.embed_tokens.weight.dtype
+        half = dtype in (torch.float16, torch.bfloat16)
+        return self.device.type == "cuda" and half and min(q_lens) >= CUDNN_MIN_LEN
+
+    def _context(self, slots, dense=None, paged=None, gather_paged=False) -> PagedAttentionContext:
         return PagedAttentionContext(
             self.kv_cache,
             slots,
@@ -226,6 +236,7 @@ class ModelRunner:
             paged=paged,
             block_tables=self.block_tables.tables,
             windows=self.model.config.attention_windows,
+            gather_paged=gather_paged,
         )
 
     def decode_logits(self, inputs, num_splits: int, one_block: bool = False, out=None) -> torch.Tensor:

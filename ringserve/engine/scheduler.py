@@ -2,7 +2,10 @@
 
 Each step spends a token budget: running sequences first (a decode token each, or the
 next chunk of a long prompt), then waiting ones are admitted while budget and blocks
-last. When blocks run out, the most recently admitted sequence is preempted: its blocks
+last. The budget adapts to the work: max_num_batched_tokens while some sequence decodes,
+so its next token waits for at most that much prefill, and the larger max_prefill_tokens
+while none does, so a long prompt alone (or a burst of new ones) runs in large chunks at
+the speed of one step. When blocks run out, the most recently admitted sequence is preempted: its blocks
 are freed and it waits to be recomputed (its full blocks usually survive in the prefix
 cache, so recomputation is cheap).
 """
@@ -30,9 +33,16 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_prefill_tokens: int | None = None,
+    ):
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens = max_prefill_tokens or max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -86,8 +96,15 @@ class Scheduler:
                 return n
         return 0
 
-    def schedule(self) -> ScheduledBatch:
-        budget = self.max_num_batched_tokens
+    def decoding(self) -> bool:
+        """Whether some running sequence has its prompt computed (a token a step from now on)."""
+        return any(seq.num_uncomputed_tokens <= 1 for seq in self.running)
+
+    def schedule(self, decoding: bool | None = None) -> ScheduledBatch:
+        """decoding: whether some sequence that steps with this one decodes (data-parallel
+        replicas step together); default: decoding()."""
+        decoding = self.decoding() if decoding is None else decoding
+        budget = self.max_num_batched_tokens if decoding else self.max_prefill_tokens
         batch = ScheduledBatch([], [])
         preempted = False
         for seq in list(self.running):

@@ -1,0 +1,185 @@
+"""Prefill attention with no per-shape cost (issue 26): cuDNN, which builds a plan per shape,
+is shown only shapes of a bounded set (attention.bounded_shape_block), and long chunks after a
+cached prefix gather their keys for it. On a CPU the engine runs PyTorch's CPU flash kernel
+instead, so these tests drive the same padding, key pieces and gathering with CPU kernels in
+cuDNN's place, against PyTorch's SDPA and against transformers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ringserve import attention
+from ringserve.attention import bounded_lengths, bounded_shape_block, key_pieces, length_above
+from ringserve.engine.block_manager import BlockManager
+from ringserve.engine.dp_scheduler import DataParallelScheduler
+from ringserve.engine.logits_probe import engine_logits
+from ringserve.engine.runner import ModelRunner
+from ringserve.engine.scheduler import Scheduler
+from ringserve.engine.sequence import Sequence
+from ringserve.llm import LLM
+from ringserve.sampling_params import SamplingParams
+from ringserve.tiny_models import hf_model
+
+NH, NKV, D = 4, 2, 16
+
+
+class Recorder:
+    """A kernel that records the (Lq, Lk, causal) shapes it is shown; run: what computes."""
+
+    def __init__(self, run):
+        self.run = run
+        self.shapes = set()
+
+    def __call__(self, q, k, v, causal, scale):
+        self.shapes.add((q.shape[0], k.shape[0], causal))
+        return self.run(q, k, v, causal, scale)
+
+
+def zeros_kernel(q, k, v, causal, scale):
+    return torch.zeros_like(q), torch.zeros(q.shape[:2])
+
+
+def sdpa_reference(q, k, v, causal: bool, scale: float):
+    """(out, lse) from PyTorch's SDPA (math backend, float64) and the scores' logsumexp."""
+    qs, ks, vs = (x.double().transpose(0, 1)[None] for x in (q, k, v))
+    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=True)
+    ks = ks.repeat_interleave(NH // NKV, dim=1)
+    scores = (qs @ ks.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return out[0].transpose(0, 1), torch.logsumexp(scores, -1)[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    "lq, lk, causal",
+    [(2048, 2048, True), (2049, 2049, True), (3001, 3001, True), (2100, 2048, False),
+     (2500, 7001, False), (2047, 9000, False), (3000, 2047, False), (5, 6200, False)],
+)  # fmt: skip
+def test_bounded_shape_block_matches_sdpa(lq, lk, causal):
+    g = torch.Generator().manual_seed(lq + lk)
+    q, k, v = (
+        torch.randn(lq, NH, D, generator=g),
+        torch.randn(lk, NKV, D, generator=g),
+        torch.randn(lk, NKV, D, generator=g),
+    )
+    fixed = Recorder(attention._cpu_flash_block)
+    out, lse = bounded_shape_block(q, k, v, causal, 0.3, fixed, attention._cpu_flash_block)
+    ref_out, ref_lse = sdpa_reference(q, k, v, causal, 0.3)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-4, atol=1e-4)
+    for shape_q, shape_k, shape_causal in fixed.shapes:  # only shapes of the bounded set
+        assert shape_q == length_above(shape_q) and shape_q >= lq
+        assert shape_k == shape_q if shape_causal else shape_k in key_pieces(lk)
+
+
+def test_cudnn_meets_a_bounded_set_of_shapes_whatever_the_lengths():
+    """Fresh prompts of 400 distinct lengths and chunks after 400 distinct prefixes: the
+    fixed-shape kernel (cuDNN's place) sees a few dozen shapes, padded by at most 1/16."""
+    fixed = Recorder(zeros_kernel)
+    rng = random.Random(0)
+    lengths = rng.sample(range(2048, 65536), 400)
+    for n in lengths:
+        q, kv = torch.empty(n, 1, 1), torch.empty(n, 1, 1)
+        bounded_shape_block(q, kv, kv, True, 1.0, fixed, zeros_kernel)
+    causal = {s for s in fixed.shapes if s[2]}
+    assert len(causal) <= len(bounded_lengths(2048, 65536)) <= 16 * 5 + 1
+    assert all(n <= length_above(n) <= n * 17 / 16 for n in lengths)
+    for chunk in (2048, 3000):
+        for prefix in rng.sample(range(1, 130_000), 400):
+            q, kv = torch.empty(chunk, 1, 1), torch.empty(prefix, 1, 1)
+            bounded_shape_block(q, kv, kv, False, 1.0, fixed, zeros_kernel)
+    unmasked = {s for s in fixed.shapes if not s[2]}
+    # Each chunk length against the powers of two from 2K to 64K: 2 x 6 shapes.
+    assert unmasked == {(length_above(c), 1 << b, False) for c in (2048, 3000) for b in range(11, 17)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_engine_prefill_through_bounded_shapes_and_gathered_chunks_matches_transformers(
+    arch, tiny_model_dir, monkeypatch
+):
+    """The engine with cuDNN's shape rules on the CPU (from 8 tokens on; the CPU flash kernel
+    in cuDNN's place, recording its shapes) and long chunks gathering their keys: prompts of
+    many distinct lengths (padded from 32 on), whole, chunked and after a cached prefix,
+    give transformers' logits. Gemma 3's sliding layers take the gathered path with their windows."""
+    monkeypatch.setattr(attention, "CUDNN_MIN_LEN", 8)
+    fixed = Recorder(attention._cpu_flash_block)
+    gathered_steps = []
+
+    def bounded_dense_block(q, k, v, causal, scale):
+        return bounded_shape_block(q, k, v, causal, scale, fixed, attention._cpu_flash_block)
+
+    def gathers(self, q_lens):
+        gathered_steps.append(min(q_lens) >= 8)
+        return gathered_steps[-1]
+
+    monkeypatch.setattr(attention, "dense_block", bounded_dense_block)
+    monkeypatch.setattr(ModelRunner, "gathers_long_chunks", gathers)
+    folder = tiny_model_dir(arch)
+    model = hf_model(folder)
+    g = torch.Generator().manual_seed(3)
+    with LLM(folder, device="cpu", dtype="float32", block_size=4) as llm:
+        for total, prefill, chunks in [
+            (13, 13, []),
+            (45, 45, []),
+            (60, 33, [19]),
+            (75, 41, [9, 13]),
+            (70, 8, [35]),
+            (100, 19, [67]),
+        ]:
+            tokens = torch.randint(0, 256, (total,), generator=g).tolist()
+            ours = engine_logits(llm.engine, tokens, prefill=prefill, chunks=chunks)
+            with torch.no_grad():
+                ref = model(torch.tensor([tokens])).logits[0]
+            torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    assert any(gathered_steps) and not all(gathered_steps)
+    assert any(causal for *_, causal in fixed.shapes) and any(not causal for *_, causal in fixed.shapes)
+    assert all(q == length_above(q) for q, _, _ in fixed.shapes)
+
+
+def _run(scheduler, batch):
+    """What the engine does after a step: the computed tokens counted, and a token drawn by
+    each sequence whose prompt (and outputs) are all computed."""
+    for seq, n in zip(batch.seqs, batch.num_tokens):
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.output_token_ids.append(7)
+
+
+def _scheduler(max_num_batched_tokens=8, max_prefill_tokens=32):
+    return Scheduler(BlockManager(200, 4, False, 1, None), max_num_batched_tokens, 4, max_prefill_tokens)
+
+
+def test_chunks_are_large_while_nothing_decodes_and_bounded_beside_decodes():
+    scheduler = _scheduler()
+    a = Sequence("a", list(range(70)), SamplingParams(max_tokens=9))
+    scheduler.add(a)
+    sizes = []
+    while a.num_computed_tokens < 70:  # alone: chunks of max_prefill_tokens
+        batch = scheduler.schedule()
+        sizes.append(batch.num_tokens)
+        _run(scheduler, batch)
+    assert sizes == [[32], [32], [6]]
+    b = Sequence("b", list(range(30)), SamplingParams(max_tokens=9))
+    scheduler.add(b)
+    sizes = []
+    while b.num_computed_tokens < 30:  # beside a decoding sequence: max_num_batched_tokens a step
+        batch = scheduler.schedule()
+        sizes.append(batch.num_tokens)
+        _run(scheduler, batch)
+    assert sizes == [[1, 7], [1, 7], [1, 7], [1, 7], [1, 2]]
+
+
+def test_data_parallel_replicas_keep_the_decode_budget_while_any_decodes():
+    replicas = [_scheduler(), _scheduler()]
+    dp = DataParallelScheduler(replicas)
+    a = Sequence("a", list(range(5)), SamplingParams(max_tokens=9))
+    replicas[0].add(a)
+    _run(dp, dp.schedule())  # a's prompt: it decodes from now on
+    b = Sequence("b", list(range(40)), SamplingParams(max_tokens=9))
+    replicas[1].add(b)  # alone on its replica, but the replicas step together
+    batch = dp.schedule()
+    assert dict(zip((s.request_id for s in batch.seqs), batch.num_tokens)) == {"a": 1, "b": 8}

@@ -73,6 +73,7 @@ def summarize(
             for i in range(len(ok))
         )
         out["request_goodput"] = good / duration
+        out["request_goodput_share"] = good / len(results) if results else 0.0  # failures are not good
     for name in metrics:
         ms = np.asarray(values[name]) * 1000
         empty = ms.size == 0
@@ -111,6 +112,7 @@ def format_table(summary: dict, metrics: list[str], percentiles: list[float], ti
     ]
     if "request_goodput" in summary:
         lines.append(row("Request goodput (req/s):", summary["request_goodput"]))
+        lines.append(row("Requests meeting every SLO (%):", 100 * summary["request_goodput_share"]))
     lines += [
         row("Output token throughput (tok/s):", summary["output_throughput"]),
         row("Total token throughput (tok/s):", summary["total_token_throughput"]),

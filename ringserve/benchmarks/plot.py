@@ -39,10 +39,12 @@ def latencies_ms(result: dict) -> dict[str, np.ndarray]:
 
 
 def plot_result(result: dict, path: str) -> None:
-    """A histogram with its CDF per latency; in a sweep, median TTFT (min..max) per input length."""
+    """A histogram with its CDF per latency; in a sweep, median TTFT (min..max) per input
+    length; in a rate sweep, goodput and the p99 latencies per request rate."""
     sweep = result.get("sweep")
-    fig = _figure(11, 11 if sweep else 7.5)
-    grid = fig.add_gridspec(3 if sweep else 2, 2)
+    rate_sweep = result.get("rate_sweep")
+    fig = _figure(11, 11 if sweep or rate_sweep else 7.5)
+    grid = fig.add_gridspec(3 if sweep or rate_sweep else 2, 2)
     for k, (name, values) in enumerate(latencies_ms(result).items()):
         ax = fig.add_subplot(grid[k // 2, k % 2])
         ax.set_title(f"{name} ({values.size} values)")
@@ -74,11 +76,35 @@ def plot_result(result: dict, path: str) -> None:
         ax.set_ylabel("TTFT (ms), median and min..max")
         ax.set_title("TTFT against input length, one request at a time")
         ax.grid(True, alpha=0.3)
+    if rate_sweep:
+        _plot_rate_sweep(fig.add_subplot(grid[2, 0]), fig.add_subplot(grid[2, 1]), rate_sweep)
     fig.suptitle(
         f"{result.get('model_id')} · {result.get('endpoint_type')} · {result['completed']} requests, "
         f"rate {result.get('request_rate')}, concurrency {result.get('max_concurrency') or 'unlimited'}"
     )
     fig.savefig(path, dpi=110)
+
+
+def _plot_rate_sweep(goodput_ax, latency_ax, points: list[dict]) -> None:
+    rates = [p["request_rate"] for p in points]
+    goodput_ax.plot(rates, rates, color="gray", linestyle=":", label="offered")
+    goodput_ax.plot(rates, [p["request_throughput"] for p in points], marker="o", label="completed")
+    goodput_ax.plot(rates, [p["request_goodput"] for p in points], marker="o", label="goodput")
+    goodput_ax.set(xlabel="request rate (req/s)", ylabel="req/s", title="goodput by request rate")
+    p99 = {"TTFT": [], "TPOT": []}
+    for point in points:
+        for name, values in latencies_ms(point).items():
+            if name in p99:
+                p99[name].append(np.percentile(values, 99) if values.size else np.nan)
+    latency_ax.plot(rates, p99["TTFT"], marker="o", label="TTFT p99")
+    latency_ax.set(xlabel="request rate (req/s)", ylabel="TTFT p99 (ms)", yscale="log")
+    tpot_ax = latency_ax.twinx()
+    tpot_ax.plot(rates, p99["TPOT"], marker="s", color="tab:red", label="TPOT p99")
+    tpot_ax.set_ylabel("TPOT p99 (ms)", color="tab:red")
+    latency_ax.set_title("99th percentiles by request rate")
+    for ax in (goodput_ax, latency_ax):
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="upper left")
 
 
 def plot_comparison(runs: list[dict], path: str) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from ringserve.benchmarks import BenchError, datasets
 from ringserve.benchmarks.arrivals import send_times
-from ringserve.benchmarks.metrics import format_table, parse_goodput, summarize
+from ringserve.benchmarks.metrics import format_table, parse_goodput, summarize, tpot
 
 if TYPE_CHECKING:  # the HTTP client is imported when requests are sent, not for `ringserve --help`
     from ringserve.benchmarks.client import RequestResult
@@ -31,6 +31,10 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _rate_list(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -90,6 +94,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "of exactly that many tokens, one at a time; records TTFT per length",
     )
     load.add_argument("--sweep-num-prompts", type=int, default=3, help="requests per swept length")
+    load.add_argument(
+        "--request-rate-sweep",
+        type=_rate_list,
+        default=None,
+        metavar="RATES",
+        help="capacity mode: the dataset at each of these request rates in turn (e.g. 4,8,12,16, "
+        "Poisson unless --burstiness); needs --goodput, and reports goodput per rate and the "
+        "highest rate at which the SLOs hold for --slo-share of requests",
+    )
+    load.add_argument(
+        "--slo-share",
+        type=float,
+        default=0.99,
+        help="share of requests that must meet every --goodput SLO for a swept rate to hold "
+        "(0.99: the SLOs hold at the 99th percentile)",
+    )
     report = parser.add_argument_group("report")
     report.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")
     report.add_argument("--metric-percentiles", default="99", help="e.g. 50,90,99")
@@ -245,6 +265,16 @@ def _check(args) -> None:
         raise BenchError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
     if args.sweep_input_lens is not None and (not args.sweep_input_lens or min(args.sweep_input_lens) < 1):
         raise BenchError("--sweep-input-lens takes positive lengths, e.g. 1024,4096")
+    if args.request_rate_sweep is not None:
+        rates = args.request_rate_sweep
+        if not rates or min(rates) <= 0:
+            raise BenchError("--request-rate-sweep takes positive rates in requests/s, e.g. 4,8,16")
+        if not args.goodput:
+            raise BenchError("--request-rate-sweep needs the SLOs it checks: --goodput ttft:MS tpot:MS")
+        if args.sweep_input_lens:
+            raise BenchError("--request-rate-sweep and --sweep-input-lens are two modes: choose one")
+    if not 0 < args.slo_share <= 1:
+        raise BenchError(f"--slo-share must be in (0, 1], got {args.slo_share}")
 
 
 def _percentile_options(args) -> tuple[list[str], list[float]]:
@@ -300,31 +330,27 @@ def run(args) -> int:
     progress = not args.disable_tqdm
     now = datetime.datetime.now()
 
-    sweep = None
+    sweep = rate_sweep = None
     if args.sweep_input_lens:
         sweep, results, duration = _sweep(args, server, tokenizer, rng, metrics, percentiles, progress)
+    elif args.request_rate_sweep:
+        samples = make_requests(args, tokenizer, rng)
+        _warm_up(args, server, samples[0])
+        rate_sweep, results, duration = _rate_sweep(
+            args, server, samples, metrics, percentiles, goodput, progress
+        )
     else:
         samples = make_requests(args, tokenizer, rng)
         _warm_up(args, server, samples[0])
-        results, duration = asyncio.run(
-            run_requests(
-                server,
-                args.endpoint,
-                samples,
-                ignore_eos=args.ignore_eos,
-                request_rate=args.request_rate,
-                burstiness=args.burstiness,
-                max_concurrency=args.max_concurrency,
-                rng=arrivals_rng,
-                progress=progress,
-            )
-        )
+        results, duration = _run_at(args, server, samples, args.request_rate, arrivals_rng, progress)
     summary = summarize(results, duration, metrics, percentiles, goodput)
     print(format_table(summary, metrics, percentiles, "Serving Benchmark Result"))
     if summary["failed"]:
         print(_errors_report(results))
     if sweep:
         print(_sweep_table(sweep))
+    if rate_sweep:
+        print(_rate_sweep_table(rate_sweep, args.goodput, args.slo_share))
 
     result = {
         "date": f"{now:%Y%m%d-%H%M%S}",
@@ -334,7 +360,13 @@ def run(args) -> int:
         "tokenizer_id": args.tokenizer or (server.model_root if tokenizer is not None else None),
         "dataset_name": "random" if sweep else args.dataset_name,
         "num_prompts": len(results),
-        "request_rate": "inf" if sweep or math.isinf(args.request_rate) else args.request_rate,
+        "request_rate": (
+            args.request_rate_sweep
+            if rate_sweep
+            else "inf"
+            if sweep or math.isinf(args.request_rate)
+            else args.request_rate
+        ),
         "burstiness": args.burstiness,
         "max_concurrency": 1 if sweep else args.max_concurrency,
         "ignore_eos": args.ignore_eos,
@@ -347,6 +379,10 @@ def run(args) -> int:
     }
     if sweep:
         result["sweep"] = sweep
+    if rate_sweep:
+        result["rate_sweep"] = rate_sweep
+        result["slo_share"] = args.slo_share
+        result["max_rate_meeting_slos"] = max_rate_meeting_slos(rate_sweep, args.slo_share)
     if args.save_result:
         path = _result_path(args, server, now)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -394,6 +430,83 @@ def _sweep(args, server, tokenizer, rng, metrics, percentiles, progress):
         results += got
         duration += took
     return sweep, results, duration
+
+
+def _run_at(args, server, samples, rate: float, arrivals_rng, progress: bool):
+    """The samples sent at `rate` with the run's load flags: (results, duration)."""
+    return asyncio.run(
+        run_requests(
+            server,
+            args.endpoint,
+            samples,
+            ignore_eos=args.ignore_eos,
+            request_rate=rate,
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
+            rng=arrivals_rng,
+            progress=progress,
+        )
+    )
+
+
+def _rate_sweep(args, server, samples, metrics, percentiles, goodput, progress):
+    """--request-rate-sweep: the same requests at each rate, each with its own arrivals
+    (seeded by the rate), one rate after the other; a summary per rate."""
+    points, results, duration = [], [], 0.0
+    for rate in args.request_rate_sweep:
+        arrivals = np.random.default_rng([args.seed, 1, round(rate * 1000)])
+        got, took = _run_at(args, server, samples, rate, arrivals, progress)
+        summary = summarize(got, took, metrics, percentiles, goodput)
+        del summary["generated_texts"]
+        points.append({"request_rate": rate, **summary})
+        print(
+            f"rate {rate:g} req/s: goodput {summary['request_goodput']:.2f} req/s, "
+            f"{100 * summary['request_goodput_share']:.1f}% of requests meet every SLO",
+            flush=True,
+        )
+        results += got
+        duration += took
+    return points, results, duration
+
+
+def max_rate_meeting_slos(points: list[dict], share: float) -> float | None:
+    """The highest swept rate whose requests met every SLO in at least `share` of cases,
+    every lower swept rate meeting them too (None: not even the lowest)."""
+    best = None
+    for point in sorted(points, key=lambda p: p["request_rate"]):
+        if point["request_goodput_share"] < share:
+            break
+        best = point["request_rate"]
+    return best
+
+
+def _rate_sweep_table(points: list[dict], slos: list[str], share: float) -> str:
+    lines = [f"{' Goodput by request rate (SLOs: ' + ' '.join(slos) + ') ':=^78}"]
+    lines.append(
+        f"{'rate':>6} {'req/s':>7} {'goodput':>8} {'met %':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'TPOT p50':>9} {'TPOT p99':>9} {'held':>5}"
+    )
+
+    def ms(values):
+        values = [v * 1000 for v in values if v is not None]
+        return (np.percentile(values, 50), np.percentile(values, 99)) if values else (math.nan, math.nan)
+
+    for p in points:
+        ok = [i for i, e in enumerate(p["errors"]) if not e]
+        ttft = ms([p["ttfts"][i] for i in ok])
+        tpot_ms = ms([tpot(p["e2els"][i], p["ttfts"][i], p["output_lens"][i]) for i in ok])
+        held = "yes" if p["request_goodput_share"] >= share else "no"
+        lines.append(
+            f"{p['request_rate']:>6g} {p['request_throughput']:>7.2f} {p['request_goodput']:>8.2f} "
+            f"{100 * p['request_goodput_share']:>6.1f} {ttft[0]:>9.1f} {ttft[1]:>9.1f} "
+            f"{tpot_ms[0]:>9.2f} {tpot_ms[1]:>9.2f} {held:>5}"
+        )
+    best = max_rate_meeting_slos(points, share)
+    lines.append(
+        f"highest rate at which {100 * share:g}% of requests meet every SLO: "
+        + ("none of the rates swept" if best is None else f"{best:g} req/s")
+    )
+    return "\n".join(lines)
 
 
 def _sweep_table(sweep: list[dict]) -> str:

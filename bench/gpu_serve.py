@@ -1,6 +1,9 @@
-"""Serving figures on one GPU (issue 11, item 9): `ringserve serve` on a Llama-3-8B-shaped
+"""Serving figures on one GPU (issues 11 and 26): `ringserve serve` on a Llama-3-8B-shaped
 model with random bf16 weights, driven by `ringserve bench serve` at concurrency 1, 16 and
-64 (1K tokens in, 128 out, --ignore-eos); each run's JSON (and the last one's plot) in OUT.
+64 (about 1K tokens in, lengths varying by --range-ratio, 128 out, --ignore-eos), then
+Poisson arrivals at each --rates rate with goodput at TTFT 350 ms / TPOT 25 ms, and the
+prefix-repetition dataset (--prefix-len shared tokens, --suffix-len new ones); each run's
+JSON (and plots) in OUT.
 
   PYTHONPATH=. python bench/gpu_serve.py --tokenizer TOKENIZER_FOLDER --out $OUT
 
@@ -77,6 +80,11 @@ def main() -> int:
     parser.add_argument(
         "--prompts-per-slot", type=int, default=4, help="num-prompts = this x concurrency (>= 16)"
     )
+    parser.add_argument("--range-ratio", type=float, default=0.15, help="input lengths 1024 x (1 +- r)")
+    parser.add_argument("--rates", default="", help="request rates to sweep, e.g. 8,12,16,20 (none: skip)")
+    parser.add_argument("--rate-prompts", type=int, default=200, help="requests per swept rate")
+    parser.add_argument("--prefix-len", type=int, default=0, help="prefix-repetition run (0: skip)")
+    parser.add_argument("--suffix-len", type=int, default=200)
     args = parser.parse_args()
     folder = tempfile.mkdtemp(prefix="llama8b-")
     start = time.monotonic()
@@ -101,25 +109,46 @@ def main() -> int:
         wait_healthy(args.port, server)
         print(f"server healthy after {time.monotonic() - start:.0f} s", flush=True)
         summary = {}
-        for c in args.concurrency:
-            name = f"serve_c{c}.json"
+
+        def bench(name: str, *flags: str) -> dict:
             cmd = [
-                sys.executable, "-m", "ringserve.cli", "bench", "serve",
-                "--port", str(args.port), "--dataset-name", "random",
-                "--random-input-len", "1024", "--random-output-len", "128", "--ignore-eos",
-                "--max-concurrency", str(c), "--num-prompts", str(max(16, args.prompts_per_slot * c)),
+                sys.executable, "-m", "ringserve.cli", "bench", "serve", "--port", str(args.port),
+                "--tokenizer", args.tokenizer, "--endpoint", "chat", "--ignore-eos",
                 "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el",
-                "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", args.out,
-                "--result-filename", name, "--disable-tqdm",
+                "--metric-percentiles", "50,90,99", "--goodput", "ttft:350", "tpot:25", "--save-result",
+                "--result-dir", args.out, "--result-filename", name + ".json", "--disable-tqdm", *flags,
             ]  # fmt: skip
-            if c == args.concurrency[-1]:
-                cmd += ["--plot", os.path.join(args.out, f"serve_c{c}.png")]
             subprocess.run(cmd, check=True)
-            with open(os.path.join(args.out, name)) as f:
+            with open(os.path.join(args.out, name + ".json")) as f:
                 result = json.load(f)
-            summary[c] = {
-                k: v for k, v in result.items() if k.startswith(("median_", "p50_", "p90_", "p99_", "mean_"))
+            summary[name] = {
+                k: v
+                for k, v in result.items()
+                if k.startswith(
+                    ("median_", "p50_", "p99_", "request_goodput", "max_rate", "output_throughput")
+                )
             }
+            return result
+
+        random_text = ("--dataset-name", "random", "--random-input-len", "1024", "--random-output-len", "128")
+        random_text += ("--random-range-ratio", str(args.range_ratio))
+        for c in args.concurrency:
+            plot = ("--plot", os.path.join(args.out, f"serve_c{c}.png")) if c == args.concurrency[-1] else ()
+            n = max(16, args.prompts_per_slot * c)
+            bench(f"serve_c{c}", *random_text, "--max-concurrency", str(c), "--num-prompts", str(n), *plot)
+        if args.rates:
+            bench(
+                "serve_rates", *random_text, "--num-prompts", str(args.rate_prompts),
+                "--request-rate-sweep", args.rates, "--plot", os.path.join(args.out, "serve_rates.png"),
+            )  # fmt: skip
+        if args.prefix_len:
+            bench(
+                "serve_prefix", "--dataset-name", "prefix-repetition", "--num-prompts", "64",
+                "--prefix-repetition-prefix-len", str(args.prefix_len),
+                "--prefix-repetition-suffix-len", str(args.suffix_len),
+                "--prefix-repetition-num-prefixes", "4", "--prefix-repetition-output-len", "32",
+                "--max-concurrency", "1",
+            )  # fmt: skip
         print(json.dumps(summary, indent=1))
     finally:
         os.killpg(server.pid, signal.SIGTERM)

@@ -112,7 +112,7 @@ def test_engine_prefill_through_bounded_shapes_and_gathered_chunks_matches_trans
     def bounded_dense_block(q, k, v, causal, scale):
         return bounded_shape_block(q, k, v, causal, scale, fixed, attention._cpu_flash_block)
 
-    def gathers(self, q_lens):
+    def gathers(self, q_lens, seq_lens):
         gathered_steps.append(min(q_lens) >= 8)
         return gathered_steps[-1]
 

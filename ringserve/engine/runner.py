@@ -16,6 +16,11 @@ from ringserve.paged_attention import PagedBatch, decode_splits, fits_one_block,
 from ringserve.parallel.comm import all_gather_stacked
 from ringserve.parallel.cp import PagedKeys, RingAttention, RingStep
 
+# A step gathers the keys of long chunks (ModelRunner.gathers_long_chunks) only while one
+# layer's gathered copy stays within this: 1 GiB is 128K tokens of Llama-3-8B's 8 KV heads
+# in bfloat16, held for one layer at a time.
+_GATHER_BYTES = 1 << 30
+
 
 class ModelRunner:
     """Runs the model (this rank's shard) over a StepInput; gathers vocabulary shards, and
@@ -212,18 +217,22 @@ class ModelRunner:
                 seq_rows_d, cu_q_d, seq_lens_d, tile_seq_d, tile_q0_d, qpt, splits, cu_q, seq_lens, step.rows,
                 one_block=decode and fits_one_block(max(seq_lens), splits),
             )  # fmt: skip
-            ctx = self._context(slots, paged=paged, gather_paged=self.gathers_long_chunks(q_lens))
+            gather = self.gathers_long_chunks(q_lens, seq_lens)
+            ctx = self._context(slots, paged=paged, gather_paged=gather)
         return ids, pos, ctx, logit_rows_d
 
-    def gathers_long_chunks(self, q_lens: list[int]) -> bool:
+    def gathers_long_chunks(self, q_lens: list[int], seq_lens: list[int]) -> bool:
         """Whether a step of chunks after cached prefixes gathers their keys for dense
         attention (PagedAttentionContext.gather_paged): on a GPU in half precision when
         every sequence brings CUDNN_MIN_LEN new tokens or more, where cuDNN's blocks run
-        at about twice the paged kernel's speed and the gather costs a copy of the keys
-        per layer (bench/bench_prefill_kernels.py). Decode rows and short chunks read in place."""
+        at about twice the paged kernel's speed (bench/bench_prefill_kernels.py), and the
+        copy of one layer's keys and values fits _GATHER_BYTES. Decode rows, short chunks
+        and longer contexts read in place."""
         dtype = self.model.model.embed_tokens.weight.dtype
-        half = dtype in (torch.float16, torch.bfloat16)
-        return self.device.type == "cuda" and half and min(q_lens) >= CUDNN_MIN_LEN
+        if self.device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+            return False
+        copy_bytes = 2 * sum(seq_lens) * self.kv_cache.k[0, 0].numel() * dtype.itemsize
+        return min(q_lens) >= CUDNN_MIN_LEN and copy_bytes <= _GATHER_BYTES
 
     def _context(self, slots, dense=None, paged=None, gather_paged=False) -> PagedAttentionContext:
         return PagedAttentionContext(

@@ -6,8 +6,9 @@ own Scheduler, BlockManager (so its own prefix cache) and runner rows. `DataPara
 offers the engine the one Scheduler interface over all of them. A step schedules every
 replica, each within its own token budget: while any replica decodes, a long prompt is
 prefilled in chunks of at most max_num_batched_tokens, so a replica with only decode work
-waits at most one such chunk per token when the replicas step together. The step's batch lists replica 0's sequences
-first, then replica 1's, and so on; `step_input` makes each replica's part of it.
+waits at most one such chunk per token when the replicas step together. The step's batch
+lists replica 0's sequences first, then replica 1's, and so on; `step_input` makes each
+replica's part of it.
 
 Routing, as vLLM's data-parallel load balancing: the replica with the least load, counted in
 the tokens of its waiting and running sequences; among equally loaded ones, the one whose

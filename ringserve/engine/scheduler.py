@@ -5,9 +5,9 @@ next chunk of a long prompt), then waiting ones are admitted while budget and bl
 last. The budget adapts to the work: max_num_batched_tokens while some sequence decodes,
 so its next token waits for at most that much prefill, and the larger max_prefill_tokens
 while none does, so a long prompt alone (or a burst of new ones) runs in large chunks at
-the speed of one step. When blocks run out, the most recently admitted sequence is preempted: its blocks
-are freed and it waits to be recomputed (its full blocks usually survive in the prefix
-cache, so recomputation is cheap).
+the speed of one step. When blocks run out, the most recently admitted sequence is
+preempted: its blocks are freed and it waits to be recomputed (its full blocks usually
+survive in the prefix cache, so recomputation is cheap).
 """
 
 from __future__ import annotations

@@ -322,8 +322,12 @@ def _flash_block(q, k, v, causal: bool, scale: float):
 
 
 def _cudnn_block(q, k, v, causal: bool, scale: float):
-    """cuDNN's SDPA with LSE (top-left causal): the fastest kernel on Hopper at long lengths."""
+    """cuDNN's SDPA with LSE (top-left causal): the fastest kernel on Hopper at long lengths.
+    Inputs are made contiguous: PyTorch keys cuDNN's plans on the strides too, and v of a
+    fresh prompt is a view of the fused q/k/v projection, whose stride would be one more
+    key of the plan cache (and miss the plans built at start-up)."""
     global _CUDNN_GQA
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     group = q.shape[1] // k.shape[1]
     qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, L, D] views
     if _CUDNN_GQA is not False or group == 1:

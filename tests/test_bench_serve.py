@@ -161,13 +161,16 @@ def test_sweep_records_ttft_per_length_and_compares_by_cp(live, tmp_path, capsys
 
 
 def test_rate_sweep_reports_goodput_per_rate_and_the_highest_rate_held(live, tmp_path, capsys):
+    before = scrape_metrics(live)
     code, result = _bench(
         live,
         tmp_path,
-        *("--num-prompts", "4", "--random-input-len", "12", "--random-output-len", "3", "--ignore-eos"),
+        *("--num-prompts", "4", "--random-input-len", "40", "--random-output-len", "3", "--ignore-eos"),
         *("--request-rate-sweep", "20,40", "--goodput", "ttft:60000", "tpot:60000"),
         *("--plot", str(tmp_path / "rates.png")),
     )
+    hits = scrape_metrics(live)["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
+    assert hits == 0  # each rate sends prompts of its own: none found cached from the last rate
     assert code == 0 and result["request_rate"] == [20, 40]
     points = result["rate_sweep"]
     assert [p["request_rate"] for p in points] == [20, 40]
@@ -374,6 +377,8 @@ def test_bad_flags_exit_2(capsys):
     assert main(["bench", "serve", "--request-rate-sweep", "4,8"]) == 2
     assert "needs the SLOs it checks: --goodput" in capsys.readouterr().err
     assert main(["bench", "serve", "--request-rate-sweep", "4,0", "--goodput", "ttft:350"]) == 2
-    assert "positive rates" in capsys.readouterr().err
+    assert "positive finite rates" in capsys.readouterr().err
+    assert main(["bench", "serve", "--request-rate-sweep", "4,inf", "--goodput", "ttft:350"]) == 2
+    assert "positive finite rates" in capsys.readouterr().err
     assert main(["bench", "serve", "--slo-share", "1.5"]) == 2
     assert "--slo-share must be in (0, 1]" in capsys.readouterr().err

@@ -183,3 +183,36 @@ def test_data_parallel_replicas_keep_the_decode_budget_while_any_decodes():
     replicas[1].add(b)  # alone on its replica, but the replicas step together
     batch = dp.schedule()
     assert dict(zip((s.request_id for s in batch.seqs), batch.num_tokens)) == {"a": 1, "b": 8}
+
+
+def test_prompt_logprob_rows_keep_to_the_decode_budget_in_a_large_step():
+    """A large prefill step would hold a [rows, vocabulary] float32 matrix for every row that
+    scores a prompt token: those rows keep to max_num_batched_tokens a step, other work not."""
+    scheduler = _scheduler()  # 8 tokens a step beside decodes, 32 while none
+    a, b = (Sequence(name, list(range(20)), SamplingParams(max_tokens=2, prompt_logprobs=1)) for name in "ab")
+    c = Sequence("c", list(range(30)), SamplingParams(max_tokens=2))
+    for seq in (a, c, b):
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    # a's 8 scored rows spend the step's scoring budget, c takes the rest, b waits.
+    assert dict(zip((s.request_id for s in batch.seqs), batch.num_tokens)) == {"a": 8, "c": 24}
+    for seq, n in zip(batch.seqs, batch.num_tokens):
+        seq.num_computed_tokens += n
+        if seq.prompt_logprobs is not None:
+            seq.prompt_logprobs += [None] * n
+    batch = scheduler.schedule()
+    assert dict(zip((s.request_id for s in batch.seqs), batch.num_tokens)) == {"a": 8, "c": 6}
+
+
+def test_a_large_chunk_shrinks_before_it_preempts():
+    """Out of blocks for its large chunk, a prefilling sequence first takes one of
+    max_num_batched_tokens, and nobody is preempted."""
+    scheduler = Scheduler(BlockManager(12, 4, False, 1, None), 8, 4, 32)
+    a = Sequence("a", list(range(60)), SamplingParams(max_tokens=2))
+    scheduler.add(a)
+    _run(scheduler, scheduler.schedule())  # 32 tokens: 8 of the 12 blocks
+    b = Sequence("b", list(range(4)), SamplingParams(max_tokens=2))
+    scheduler.add(b)
+    batch = scheduler.schedule()  # a's 28 need 7 blocks, 4 are free: a takes 8, b its 4
+    assert dict(zip((s.request_id for s in batch.seqs), batch.num_tokens)) == {"a": 8, "b": 4}
+    assert scheduler.num_preemptions == 0

@@ -267,8 +267,8 @@ def _check(args) -> None:
         raise BenchError("--sweep-input-lens takes positive lengths, e.g. 1024,4096")
     if args.request_rate_sweep is not None:
         rates = args.request_rate_sweep
-        if not rates or min(rates) <= 0:
-            raise BenchError("--request-rate-sweep takes positive rates in requests/s, e.g. 4,8,16")
+        if not rates or not all(0 < r < math.inf for r in rates):
+            raise BenchError("--request-rate-sweep takes positive finite rates in requests/s, e.g. 4,8,16")
         if not args.goodput:
             raise BenchError("--request-rate-sweep needs the SLOs it checks: --goodput ttft:MS tpot:MS")
         if args.sweep_input_lens:
@@ -304,7 +304,8 @@ def _result_path(args, server: ServerInfo, now: datetime.datetime) -> str:
     if args.result_filename:
         name = args.result_filename
     else:
-        rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
+        rates = args.request_rate_sweep or [args.request_rate]
+        rate = "-".join("inf" if math.isinf(r) else f"{r:g}" for r in rates)
         concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
         sweep = "-sweep" if args.sweep_input_lens else ""
         model = os.path.basename(server.model.rstrip("/")) or "model"
@@ -334,10 +335,8 @@ def run(args) -> int:
     if args.sweep_input_lens:
         sweep, results, duration = _sweep(args, server, tokenizer, rng, metrics, percentiles, progress)
     elif args.request_rate_sweep:
-        samples = make_requests(args, tokenizer, rng)
-        _warm_up(args, server, samples[0])
         rate_sweep, results, duration = _rate_sweep(
-            args, server, samples, metrics, percentiles, goodput, progress
+            args, server, tokenizer, metrics, percentiles, goodput, progress
         )
     else:
         samples = make_requests(args, tokenizer, rng)
@@ -449,13 +448,17 @@ def _run_at(args, server, samples, rate: float, arrivals_rng, progress: bool):
     )
 
 
-def _rate_sweep(args, server, samples, metrics, percentiles, goodput, progress):
-    """--request-rate-sweep: the same requests at each rate, each with its own arrivals
-    (seeded by the rate), one rate after the other; a summary per rate."""
+def _rate_sweep(args, server, tokenizer, metrics, percentiles, goodput, progress):
+    """--request-rate-sweep: at each rate, fresh requests of the dataset (their own seed, so
+    no rate meets prompts a lower one left in the server's prefix cache) with their own
+    Poisson arrivals, one rate after the other; a summary per rate."""
     points, results, duration = [], [], 0.0
     for rate in args.request_rate_sweep:
-        arrivals = np.random.default_rng([args.seed, 1, round(rate * 1000)])
-        got, took = _run_at(args, server, samples, rate, arrivals, progress)
+        seed = [args.seed, round(rate * 1000)]
+        samples = make_requests(args, tokenizer, np.random.default_rng(seed))
+        if not points:
+            _warm_up(args, server, samples[0])
+        got, took = _run_at(args, server, samples, rate, np.random.default_rng([*seed, 1]), progress)
         summary = summarize(got, took, metrics, percentiles, goodput)
         del summary["generated_texts"]
         points.append({"request_rate": rate, **summary})

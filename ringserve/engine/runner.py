@@ -17,8 +17,8 @@ from ringserve.parallel.comm import all_gather_stacked
 from ringserve.parallel.cp import PagedKeys, RingAttention, RingStep
 
 # A step gathers the keys of long chunks (ModelRunner.gathers_long_chunks) only while one
-# layer's gathered copy stays within this: 1 GiB is 128K tokens of Llama-3-8B's 8 KV heads
-# in bfloat16, held for one layer at a time.
+# layer's gathered copy of K and V stays within this: 1 GiB is 256K tokens of Llama-3-8B's
+# 8 KV heads x 128 dims in bfloat16 (4 KiB a token), held for one layer at a time.
 _GATHER_BYTES = 1 << 30
 
 

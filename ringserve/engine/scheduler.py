@@ -97,8 +97,16 @@ class Scheduler:
         return 0
 
     def decoding(self) -> bool:
-        """Whether some running sequence has its prompt computed (a token a step from now on)."""
-        return any(seq.num_uncomputed_tokens <= 1 for seq in self.running)
+        """Whether some running sequence has its prompt computed (a token a step from now on;
+        one whose last token ends it when read computes nothing more)."""
+        return any(seq.num_uncomputed_tokens <= 1 and not seq.ends_when_read for seq in self.running)
+
+    def _chunk(self, seq: Sequence, budget: int, scored: int) -> int:
+        """Tokens of seq in this step: its uncomputed ones within the budget, and within
+        `scored` (max_num_batched_tokens a step) when every row gives prompt logprobs, whose
+        [rows, vocabulary] float32 logits would not fit a large prefill budget's rows."""
+        n = min(seq.num_uncomputed_tokens, budget)
+        return min(n, scored) if seq.needs_prompt_logits else n
 
     def schedule(self, decoding: bool | None = None) -> ScheduledBatch:
         """decoding: whether some sequence that steps with this one decodes (data-parallel
@@ -107,6 +115,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens if decoding else self.max_prefill_tokens
         batch = ScheduledBatch([], [])
         preempted = False
+        scored = self.max_num_batched_tokens  # rows of prompt logprobs left in this step
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -114,17 +123,25 @@ class Scheduler:
                 continue
             if seq.ends_when_read:  # its last token is on the device and ends it: nothing to compute
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.allocate(seq, n):
+            n = self._chunk(seq, budget, scored)
+            if n == 0 and seq.needs_prompt_logits:  # this step's prompt-logprob rows are spent
+                continue
+            allocated = self.block_manager.allocate(seq, n)
+            if not allocated and n > self.max_num_batched_tokens:
+                n = self.max_num_batched_tokens  # a smaller chunk before preempting anyone
+                allocated = self.block_manager.allocate(seq, n)
+            while not allocated:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
+                allocated = self.block_manager.allocate(seq, n)
             if seq.status is Status.RUNNING:
                 batch.seqs.append(seq)
                 batch.num_tokens.append(n)
                 budget -= n
+                scored -= n if seq.needs_prompt_logits else 0
         # Admit waiting sequences only when nothing was preempted: otherwise they would
         # take the blocks just freed and the preempted sequence could starve.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
@@ -133,7 +150,9 @@ class Scheduler:
             # logprobs computes the whole prompt (its blocks still fill the cache).
             if not seq.block_tables and not seq.needs_prompt_logits:
                 self.block_manager.match_prefix(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._chunk(seq, budget, scored)
+            if n == 0 and seq.needs_prompt_logits:  # this step's prompt-logprob rows are spent
+                break
             if not self.block_manager.allocate(seq, n):
                 n = self._fitting_chunk(seq, n) if not self.running and not batch else 0
             if n == 0:
@@ -157,4 +176,5 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
+            scored -= n if seq.needs_prompt_logits else 0
         return batch

@@ -66,6 +66,12 @@ def make_engine(folder, weights, max_len: int, **config) -> LLMEngine:
     return engine
 
 
+def free_memory() -> None:
+    """Give a dropped engine's GPU memory back before the next one is built."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--long", type=int, nargs="+", default=[32768, 131072])
@@ -110,8 +116,7 @@ def main() -> None:
         print(f"{n} tokens, default options: {first:.0f} ms first, {again:.0f} ms again", flush=True)
     engine.close()
     del engine
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_memory()
     write_json("prefill_engine.json", data)
 
     for name, config in (
@@ -126,8 +131,7 @@ def main() -> None:
             print(f"{n} tokens, {name}: {ms:.0f} ms", flush=True)
         engine.close()
         del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_memory()
         write_json("prefill_engine.json", data)
     for n, row in data["long"].items():
         row["default_of_one_step"] = row["one_step_ms"] / row["default_ms"]

@@ -14,12 +14,11 @@ Llama-3-8B's heads (32 query heads, 8 KV heads, 128 dims, bf16):
 from __future__ import annotations
 
 import random
-import time
 from functools import partial
 
 import torch
 
-from bench.common import event_time_ms, gpu_state, machine_info, write_json
+from bench.common import event_time_ms, gpu_state, machine_info, wall_ms, write_json
 from ringserve import attention
 from ringserve.attention import dense_block, dense_block_math, dense_per_sequence
 from ringserve.paged_attention import PagedBatch, gather_plan, paged_attention, tile_queries
@@ -31,14 +30,6 @@ DEV = "cuda"
 
 def rand(n, heads):
     return torch.randn(n, heads, D, device=DEV, dtype=torch.bfloat16)
-
-
-def wall_ms(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1000
 
 
 def causal_flops(n: int) -> float:

@@ -25,6 +25,16 @@ def cuda_time_ms(fn, warmup: int = 2, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def wall_ms(fn) -> float:
+    """Wall time of one call of fn() in ms, the device synchronised around it (first calls:
+    plans, compiles)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1000
+
+
 def event_time_ms(fn, warmup: int = 3, reps: int = 20) -> float:
     """Median device time of fn() in ms, by CUDA events."""
     for _ in range(warmup):

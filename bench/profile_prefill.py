@@ -11,25 +11,16 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import random_llama3_8b  # noqa: E402
+from common import random_llama3_8b, wall_ms  # noqa: E402
 
 from ringserve.config import EngineConfig  # noqa: E402
 from ringserve.engine.engine import LLMEngine  # noqa: E402
 from ringserve.sampling_params import SamplingParams  # noqa: E402
-
-
-def wall_ms(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1000
 
 
 def main():

@@ -208,6 +208,37 @@ def test_padded_decode_rows_write_nothing_and_leave_real_rows_unchanged(llama_en
     torch.testing.assert_close(cache.k[:, : cache.pad_block * bs], k_eager[:, : cache.pad_block * bs])
 
 
+def test_start_up_warm_up_runs_prefill_tiles_and_writes_only_the_scratch_block(llama_engine, monkeypatch):
+    """The start-up step that builds the paged kernel's prefill tiles (a chunk after a cached
+    prefix) reaches that kernel with prefill tiles, and changes no slot outside the
+    scratch block; a real sequence's logits are the same after it."""
+    import ringserve.engine.forward_context as fc
+
+    engine = llama_engine
+    runner = engine.executor.worker.runner
+    cache = runner.kv_cache
+    cache.k.zero_()
+    cache.v.zero_()
+    _prefill(engine, [9])
+    k_before, v_before = cache.k.clone(), cache.v.clone()
+    tiles = []
+    real_kernel = fc.paged_attention
+
+    def spy(q, k_cache, v_cache, block_tables, batch, *args, **kwargs):
+        tiles.append(batch.queries_per_tile)
+        return real_kernel(q, k_cache, v_cache, block_tables, batch, *args, **kwargs)
+
+    monkeypatch.setattr(fc, "paged_attention", spy)
+    runner.warm_up_cached_prefill()
+    assert tiles and all(t > 1 for t in tiles)  # prefill tiles, in every layer
+    scratch = slice(cache.pad_block * cache.block_size, (cache.pad_block + 1) * cache.block_size)
+    assert (cache.k[:, scratch] != 0).any()  # it wrote there
+    cache.k[:, scratch] = 0
+    cache.v[:, scratch] = 0
+    torch.testing.assert_close(cache.k, k_before, rtol=0, atol=0)
+    torch.testing.assert_close(cache.v, v_before, rtol=0, atol=0)
+
+
 def test_step_preparation_does_not_grow_with_cached_context(llama_engine):
     """Host work of a decode step is per sequence and new token: the elements built on the
     host are the same after 6 cached tokens as after 300."""

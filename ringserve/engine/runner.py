@@ -293,6 +293,23 @@ class ModelRunner:
             logits = self._rows.gather(logits, all_logits, self.cp_group, self.cp_rank)
         return logits
 
+    @torch.inference_mode()
+    def warm_up_cached_prefill(self) -> None:
+        """One step of a chunk after a cached prefix, so that the paged kernel's prefill
+        tiles (one Triton compile per tile configuration, about a second) are built before
+        the first prefix-cache hit or mixed step. It runs in the block tables' pad row,
+        which points only at the KV cache's scratch block: no real block is written."""
+        pad_row = self.block_tables.pad_row
+        queries = 2 * tile_queries(self.num_heads, self.num_kv_heads, decode=False)
+        step = StepInput(
+            rows=[pad_row],
+            token_ids=[[0] * queries],
+            starts=[self.kv_cache.block_size],
+            sample=[True],
+            table_updates=[],
+        )
+        self.forward(step)
+
     def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, V_local] per rank -> [N, V] (the vocabulary is split over tp ranks)."""
         if self.tp_size == 1:

@@ -100,6 +100,12 @@ class Worker:
             self.runner.graphs = self._capture_graphs(ec, groups)
         if self.device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
             self._warm_up_prefill(config, shard, dtype, ec, max_model_len)
+        if self.device.type == "cuda" and groups.cp_size == 1:
+            # Under CP the ring attends instead (parallel/cp.py), with no step of this shape.
+            start = time.monotonic()
+            self.runner.warm_up_cached_prefill()
+            torch.cuda.synchronize(self.device)
+            logger.info("compiled the prefill tiles of the paged kernel in %.1f s", time.monotonic() - start)
 
     def _warm_up_prefill(self, config, shard, dtype, ec: EngineConfig, max_model_len: int) -> None:
         """cuDNN's plans for the prefill shapes traffic meets most, built before it comes

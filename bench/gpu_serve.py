@@ -116,6 +116,8 @@ def main() -> int:
     parser.add_argument("--prefix-len", type=int, default=0, help="prefix-repetition run (0: skip)")
     parser.add_argument("--suffix-len", type=int, default=200)
     args = parser.parse_args()
+    # A `timeout` around this script sends SIGTERM: leave through `finally`, which stops the server.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     folder = args.model_dir
     if not os.path.exists(os.path.join(folder, "config.json")):
         start = time.monotonic()
@@ -160,11 +162,13 @@ def main() -> int:
         for c in args.concurrency:
             plot = ("--plot", os.path.join(args.out, f"{args.tag}serve_c{c}.png")) if c == 64 else ()
             n = max(args.min_prompts, args.prompts_per_slot * c)
-            bench(f"serve_c{c}", *random_text(), "--max-concurrency", str(c), "--num-prompts", str(n), *plot)
+            # Each run its own prompts (--seed): none finds another's in the prefix cache.
+            load = ("--max-concurrency", str(c), "--num-prompts", str(n), "--seed", str(c))
+            bench(f"serve_c{c}", *random_text(), *load, *plot)
         for n in [int(b) for b in args.bursts.split(",") if b]:
-            burst = ("--max-concurrency", str(n), "--num-prompts", str(n), "--seed", str(n))
-            bound = bench(f"serve_burst{n}_prefill", *random_text(1), *burst)
-            full = bench(f"serve_burst{n}", *random_text(), *burst)
+            burst = ("--max-concurrency", str(n), "--num-prompts", str(n))
+            bound = bench(f"serve_burst{n}_prefill", *random_text(1), *burst, "--seed", str(1000 + n))
+            full = bench(f"serve_burst{n}", *random_text(), *burst, "--seed", str(2000 + n))
             summary[args.tag + f"serve_burst{n}"]["p99_ttft_over_prefill_all"] = (
                 full["p99_ttft_ms"] / bound["p100_ttft_ms"]
             )

@@ -263,7 +263,9 @@ if triton is not None:
             out_ptr + t * stride_out + cols, (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype), mask=ok
         )
 
-    @triton.jit
+    # slots [G, T]: KV group g's row starts 16-byte aligned only where g * T is even, so no
+    # variant is compiled for it (one per parity of a step's token count otherwise).
+    @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
     def _store_kv_kernel(
         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_k, stride_v, stride_kc, stride_vc, row,
         BLOCK: tl.constexpr,
@@ -342,7 +344,7 @@ if triton is not None:
             tl.store(dst2 + dst_off, lo.to(dt), mask=ok)
             tl.store(dst2 + dst_off + half, hi.to(dt), mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])  # as _store_kv_kernel's
     def _rotary_kernel(
         q_ptr,  # [T, NH, D], last dim contiguous (a view of the fused qkv output is fine)
         k_ptr,  # [T, NKV, D]

@@ -305,7 +305,20 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return m_new, l_i, acc
 
-    @triton.jit
+    # Triton compiles a variant per specialisation of the arguments (~1 s each on an H100),
+    # so none may depend on the step: the metadata arrays are slices of one upload
+    # (ModelRunner._prepare_local), 16-byte aligned or not by the batch size and tile count,
+    # and the split strides are the step's rows x heads (x head_dim; divisible by 16 or not).
+    @triton.jit(
+        do_not_specialize=["stride_os", "stride_ls"],
+        do_not_specialize_on_alignment=[
+            "seq_rows_ptr",
+            "cu_q_ptr",
+            "seq_lens_ptr",
+            "tile_seq_ptr",
+            "tile_q0_ptr",
+        ],
+    )
     def _paged_kernel(
         q_ptr,
         k_ptr,
@@ -445,7 +458,7 @@ if triton is not None:
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptr + split * stride_ls + rows_t * stride_lt + head, lse, mask=row_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_ps", "stride_ls"])  # rows x heads (x head_dim), as above
     def _merge_splits_kernel(
         part_out_ptr,
         part_lse_ptr,

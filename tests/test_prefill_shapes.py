@@ -140,6 +140,57 @@ def test_engine_prefill_through_bounded_shapes_and_gathered_chunks_matches_trans
     assert all(q == length_above(q) for q, _, _ in fixed.shapes)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_paged_kernel_compiles_one_variant_whatever_the_batch(arch, tiny_model_dir, monkeypatch):
+    """Triton compiles a kernel per specialisation of its arguments (values of 1, 16-byte
+    alignment of ints and pointers), about a second each on a GPU. Steps of chunks after
+    cached prefixes and decode rows, with many batch sizes and lengths, must show the paged
+    kernel one specialisation per tile shape (its constexprs), or requests pay compiles.
+    Each launch's specialisation is computed by Triton's own binder, here on the CPU; the
+    attention itself comes from the reference path."""
+    triton_jit = pytest.importorskip("triton.runtime.jit")
+    from triton.backends.compiler import BaseBackend
+
+    import ringserve.engine.forward_context as fc
+    from ringserve import paged_attention as pa
+
+    kernel = pa._paged_kernel
+    binder = triton_jit.create_function_from_signature(kernel.signature, kernel.params, BaseBackend)
+    variants: dict[tuple, set] = {}
+
+    class Launch:
+        def __getitem__(self, grid):
+            def record(*args, **kwargs):
+                _, specialization, _ = binder(*args, **kwargs)
+                constexprs = tuple(str(s) for s in specialization if s[0] == "constexpr")
+                variants.setdefault(constexprs, set()).add(tuple(str(s) for s in specialization))
+
+            return record
+
+    def spy(q, k_cache, v_cache, block_tables, batch, block_size, scale, window=pa.FULL_ATTENTION, pdl=True):
+        pa._paged_triton(q, k_cache, v_cache, block_tables, batch, block_size, scale, window=window, pdl=pdl)
+        return pa.paged_attention_reference(
+            q, k_cache, v_cache, block_tables, batch, block_size, scale, window
+        )
+
+    monkeypatch.setattr(pa, "_paged_kernel", Launch())
+    monkeypatch.setattr(fc, "paged_attention", spy)
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 256, (12,), generator=g).tolist()
+    with LLM(tiny_model_dir(arch), device="cpu", dtype="float32", block_size=4, max_num_seqs=8) as llm:
+        for wave in (1, 2, 3, 5, 7, 4, 6):
+            prompts = [
+                prefix + torch.randint(0, 256, (int(n),), generator=g).tolist()
+                for n in torch.randint(1, 40, (wave,), generator=g)
+            ]
+            llm.generate(prompts, SamplingParams(max_tokens=int(torch.randint(2, 6, (1,), generator=g))))
+    assert len(variants) >= 2  # prefill tiles and decode tiles (and the windowed layers')
+    names = list(kernel.signature.parameters)
+    for keys in variants.values():
+        differing = {names[i] for key in keys for i, part in enumerate(key) if part != next(iter(keys))[i]}
+        assert len(keys) == 1, f"arguments specialised differently from launch to launch: {sorted(differing)}"
+
+
 def _run(scheduler, batch):
     """What the engine does after a step: the computed tokens counted, and a token drawn by
     each sequence whose prompt (and outputs) are all computed."""

@@ -124,6 +124,8 @@ def main() -> int:
         make_model(args.tokenizer, folder)
         print(f"model folder written in {time.monotonic() - start:.0f} s", flush=True)
     if args.peer:
+        # Its GET /v1/models scans the Hugging Face cache, and fails (500) where there is none.
+        os.makedirs(os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub"), exist_ok=True)
         server = ["transformers", "serve", folder, "--continuous-batching", "--cb-use-cuda-graph"]
         server += ["--port", str(args.port)]
     else:

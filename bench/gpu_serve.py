@@ -162,7 +162,11 @@ def main() -> int:
 
     with running(server, args.port):
         for c in args.concurrency:
-            plot = ("--plot", os.path.join(args.out, f"{args.tag}serve_c{c}.png")) if c == 64 else ()
+            plot = (
+                ("--plot", os.path.join(args.out, f"{args.tag}serve_c{c}.png"))
+                if c == args.concurrency[-1]
+                else ()
+            )
             n = max(args.min_prompts, args.prompts_per_slot * c)
             # Each run its own prompts (--seed): none finds another's in the prefix cache.
             load = ("--max-concurrency", str(c), "--num-prompts", str(n), "--seed", str(c))

@@ -211,7 +211,7 @@ def test_padded_decode_rows_write_nothing_and_leave_real_rows_unchanged(llama_en
 def test_start_up_warm_up_runs_prefill_tiles_and_writes_only_the_scratch_block(llama_engine, monkeypatch):
     """The start-up step that builds the paged kernel's prefill tiles (a chunk after a cached
     prefix) reaches that kernel with prefill tiles, and changes no slot outside the
-    scratch block; a real sequence's logits are the same after it."""
+    scratch block."""
     import ringserve.engine.forward_context as fc
 
     engine = llama_engine

@@ -140,6 +140,38 @@ def test_engine_prefill_through_bounded_shapes_and_gathered_chunks_matches_trans
     assert all(q == length_above(q) for q, _, _ in fixed.shapes)
 
 
+def _binder(kernel):
+    """Triton's own binder of a @triton.jit kernel: (args, kwargs) -> (bound, specialization,
+    options), where specialization is what its compiled variants are keyed on. Runs on the CPU."""
+    triton_jit = pytest.importorskip("triton.runtime.jit")
+    from triton.backends.compiler import BaseBackend
+
+    return triton_jit.create_function_from_signature(kernel.signature, kernel.params, BaseBackend)
+
+
+@pytest.mark.parametrize("name", ["_store_kv_kernel", "_rotary_kernel"])
+def test_kv_store_kernels_do_not_specialise_on_the_slots_row(name):
+    """slots [G, T] int64: group 1's row starts 16-byte aligned only for even T; the kernels
+    that write the cache must key one variant on both (the step's token count varies)."""
+    pytest.importorskip("triton")
+    from ringserve import kernels
+
+    kernel = getattr(kernels, name)
+    binder = _binder(kernel)
+    aligned = torch.zeros(64, dtype=torch.int64)
+
+    def specialization(slots):
+        args = {
+            p: (1 if kernel.params[i].is_constexpr else aligned)
+            for i, p in enumerate(kernel.signature.parameters)
+        }
+        return binder(**{**args, "slots_ptr": slots})[1]
+
+    odd, even = torch.zeros(2, 7, dtype=torch.int64), torch.zeros(2, 8, dtype=torch.int64)
+    assert odd[1].data_ptr() % 16 != 0 and even[1].data_ptr() % 16 == 0
+    assert specialization(odd[1]) == specialization(even[1])
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_paged_kernel_compiles_one_variant_whatever_the_batch(arch, tiny_model_dir, monkeypatch):
     """Triton compiles a kernel per specialisation of its arguments (values of 1, 16-byte
@@ -148,14 +180,11 @@ def test_paged_kernel_compiles_one_variant_whatever_the_batch(arch, tiny_model_d
     kernel one specialisation per tile shape (its constexprs), or requests pay compiles.
     Each launch's specialisation is computed by Triton's own binder, here on the CPU; the
     attention itself comes from the reference path."""
-    triton_jit = pytest.importorskip("triton.runtime.jit")
-    from triton.backends.compiler import BaseBackend
-
     import ringserve.engine.forward_context as fc
     from ringserve import paged_attention as pa
 
     kernel = pa._paged_kernel
-    binder = triton_jit.create_function_from_signature(kernel.signature, kernel.params, BaseBackend)
+    binder = _binder(kernel)
     variants: dict[tuple, set] = {}
 
     class Launch:

@@ -31,6 +31,18 @@ class SamplingParams:
     # and the N likeliest there, as vLLM. Such a request computes its whole prompt (no
     # prefix-cache hit: cached tokens have no logits). None: none computed.
     prompt_logprobs: int | None = None
+    # Adjustments of the logits before sampling, with vLLM's meanings, in vLLM's order: the
+    # bias, min_tokens, the penalties; then temperature, min_p, top-k, top-p. Greedy rows
+    # take the argmax of the adjusted logits; logprobs stay those of the raw distribution.
+    presence_penalty: float = 0.0  # minus this for each token generated at least once
+    frequency_penalty: float = 0.0  # minus this times the times a token was generated
+    # > 1 discourages tokens of the prompt or the output: a positive logit is divided by it,
+    # a negative one multiplied (CTRL's rule, as vLLM and transformers apply it)
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest's probability
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
 
     def __post_init__(self):
         if self.stop is None:
@@ -63,7 +75,7 @@ class SamplingParams:
             _is_int(t) for t in self.stop_token_ids
         ):
             raise RequestError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
@@ -71,6 +83,40 @@ class SamplingParams:
         n = self.prompt_logprobs
         if n is not None and (not _is_int(n) or n < 0):
             raise RequestError(f"prompt_logprobs must be an integer >= 0, got {n!r}")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise RequestError(f"{name} must be a number in [-2, 2], got {value!r}")
+        r = self.repetition_penalty
+        if not _is_real(r) or not 0 < r < math.inf:
+            raise RequestError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise RequestError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise RequestError(
+                f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or not all(
+                _is_int(k) and k >= 0 and _is_real(v) and math.isfinite(v) for k, v in bias.items()
+            ):
+                raise RequestError(
+                    f"logit_bias must map token ids (integers >= 0) to finite numbers, got {_shorten(bias)}"
+                )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether sampling needs the logits adjusted (bias, min_tokens, penalties)."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.penalized
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the tokens seen so far change the logits (the three penalties)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
@@ -84,3 +130,8 @@ def _is_int(value) -> bool:
 def _is_real(value) -> bool:
     """An int or float, not a bool (True would pass as 1). NaN fails every range test after."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _shorten(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -157,17 +157,21 @@ def hf_model(folder: str):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation, past any EOS (as ignore_eos=True)."""
+def hf_greedy(
+    model, prompt: list[int], max_new_tokens: int, eos_token_id=None, **generate_kwargs
+) -> list[int]:
+    """transformers' greedy continuation: past any EOS (as ignore_eos=True) unless eos_token_id
+    is given; generate_kwargs: its logits processors (repetition_penalty, min_new_tokens, ...)."""
     ids = torch.tensor([prompt])
-    model.generation_config.eos_token_id = None
+    model.generation_config.eos_token_id = eos_token_id
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=0,
+        **generate_kwargs,
     )
     tokens = out[0, len(prompt) :].tolist()
-    assert len(tokens) == max_new_tokens
+    assert eos_token_id is not None or len(tokens) == max_new_tokens
     return tokens

@@ -452,6 +452,48 @@ def test_unknown_fields_are_ignored_as_vllm_does(live):
     assert r.status_code == 200, r.text
 
 
+def test_sampling_controls_reach_the_engine(live):
+    tok = live.engine.tokenizer
+    token = tok.encode(" banana", add_special_tokens=False)[0]
+    kw = dict(model=NAME, prompt="The capital of France is", max_tokens=3, temperature=0)
+    out = live.client.completions.create(**kw, logit_bias={str(token): 100})
+    assert out.choices[0].text == tok.decode([token] * 3)
+    chat = live.client.chat.completions.create(
+        model=NAME, messages=HI, max_tokens=3, temperature=0, logit_bias={str(token): 100}
+    )
+    assert chat.choices[0].message.content == tok.decode([token] * 3)
+    plain = _alone(live, kw["prompt"], 8)
+    penalised = live.client.completions.create(
+        **{**kw, "max_tokens": 8}, frequency_penalty=2.0, presence_penalty=2.0,
+        extra_body={"repetition_penalty": 1.5, "min_p": 0.1},
+    )  # fmt: skip
+    assert penalised.choices[0].text != plain
+    eos = {str(min(live.engine.eos_token_ids)): 100}  # EOS would come first
+    held = live.client.completions.create(
+        **{**kw, "max_tokens": 8}, logit_bias=eos, extra_body={"min_tokens": 5}
+    )
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"  # 5, then EOS
+
+
+@pytest.mark.parametrize(
+    "extra, param, message",
+    [
+        ({"logit_bias": {"x1": 5}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"10000000": 5}}, None, "outside the vocabulary"),
+        ({"best_of": 3}, "best_of", "best_of"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        ({"min_p": 1.5}, "min_p", "less than or equal to 1"),
+        ({"min_tokens": 9}, None, "min_tokens must be at most max_tokens"),
+    ],
+)
+def test_bad_sampling_controls_are_400(live, extra, param, message):
+    r = _post(live, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"]
+    if param is not None:
+        assert r.json()["error"]["param"] == param
+
+
 def test_chat_content_as_text_parts(live):
     question = "What is the capital of France?"
     parts = [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]

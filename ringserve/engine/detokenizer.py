@@ -26,6 +26,8 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.stops = seq.params.stop
+        self.include_stop = seq.params.include_stop_str_in_output
+        self.min_tokens = seq.params.min_tokens
         # Text that might be the start of a stop string is held back from streaming.
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
         self.emitted = 0  # characters of seq.text already streamed
@@ -44,10 +46,12 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         start = max(0, len(seq.text) - self.holdback)
         seq.text += new
+        if len(seq.output_token_ids) < self.min_tokens:  # no stop string before min_tokens, as vLLM
+            return
         hits = [(at, stop) for stop in self.stops if (at := seq.text.find(stop, start)) != -1]
         if hits:
             at, stop = min(hits)
-            seq.text = seq.text[:at]
+            seq.text = seq.text[: at + len(stop) if self.include_stop else at]
             seq.finish_reason = "stop"
             seq.stop_reason = stop
 

@@ -32,6 +32,7 @@ from ringserve.engine.loading import (
     resolve_model_path,
     start_executor,
 )
+from ringserve.engine.logits_adjust import LogitsAdjuster
 from ringserve.engine.logprobs import DeviceLogprobs, token_logprobs
 from ringserve.engine.request_checks import check_params, check_prompt
 from ringserve.engine.sampler import sample_on_device
@@ -118,6 +119,7 @@ class LLMEngine:
         self.executor = start_executor(spec, self.device, self.show_progress, weights)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, config, self.tokenizer)
+        self.logits_adjuster = LogitsAdjuster(config.vocab_size, self.device, self.eos_token_ids)
         self.cp_policy = CPPolicy(self.cp_algo, parallel.cp, config, self.dtype, self.device.type)
         num_blocks = self.executor.num_blocks * parallel.cp  # each CP rank has its own pool
         self.kv_groups = KVGroups.for_model(config)  # the workers' grouping
@@ -335,10 +337,13 @@ class LLMEngine:
         no_token = [seq for seq in sampling if seq.params.max_tokens == 0]
         logits = logits[:num_sampling] if not no_token else logits[keep]
         sampling = [sampling[i] for i in keep]
-        tokens, kept, errors = _sample_or_blame(logits, sampling)
+        self.logits_adjuster.release_finished(self.seqs)
+        # logits stay raw for the logprobs (vLLM's default); the tokens come from the adjusted
+        tokens, kept, errors = _sample_or_blame(logits, sampling, self.logits_adjuster)
         failed = [(sampling[i], e) for i, e in errors.items()]
         if errors:
             logits, sampling = logits[kept], [sampling[i] for i in kept]
+        self.logits_adjuster.record(sampling, tokens)
         logprobs = _sampled_logprobs(logits, sampling, tokens)
         return LaunchedStep(batch, sampling, tokens, logprobs, no_token, failed)
 
@@ -486,19 +491,19 @@ class LLMEngine:
 
 
 def _sample_or_blame(
-    logits: torch.Tensor, seqs: list[Sequence]
+    logits: torch.Tensor, seqs: list[Sequence], adjuster: LogitsAdjuster
 ) -> tuple[torch.Tensor, list[int], dict[int, Exception]]:
     """The rows' tokens on the device (logits [S, V], one row per sequence), the rows they
     are for, and the rows that failed. Should the batch fail, each row is sampled alone, so
     a request whose parameters break sampling fails alone instead of the whole step."""
     try:
-        return sample_on_device(logits, seqs), list(range(len(seqs))), {}
+        return sample_on_device(adjuster.adjust(logits, seqs), seqs), list(range(len(seqs))), {}
     except Exception:  # find the rows to blame below
         pass
     tokens, kept, errors = [], [], {}
     for i, seq in enumerate(seqs):
         try:
-            tokens.append(sample_on_device(logits[i : i + 1], [seq]))
+            tokens.append(sample_on_device(adjuster.adjust(logits[i : i + 1], [seq]), [seq]))
             kept.append(i)
         except Exception as e:
             errors[i] = e

@@ -53,3 +53,8 @@ def check_params(params: SamplingParams, *, max_model_len: int, vocab_size: int)
         )
     if params.logprobs is not None and params.logprobs > vocab_size:
         raise RequestError(f"logprobs={params.logprobs} is more than the vocabulary's {vocab_size} tokens")
+    outside = [t for t in params.logit_bias or () if t >= vocab_size]
+    if outside:
+        raise RequestError(
+            f"logit_bias: token id {outside[0]} is outside the vocabulary (ids 0..{vocab_size - 1})"
+        )

@@ -1,4 +1,4 @@
-"""Next-token choice for the whole batch on the device: greedy, temperature, top-k, top-p.
+"""Next-token choice for the whole batch on the device: greedy, temperature, min-p, top-k, top-p.
 
 Rows of one batch may carry different parameters. Everything is batched tensor ops with no
 host sync until the caller reads the chosen ids (one transfer per step), so `sample_tokens`
@@ -39,12 +39,14 @@ class SamplingTensors:
     greedy: torch.Tensor  # [S] bool
     top_k: torch.Tensor  # [S] int64; "all" is V (or _NO_TOP_K, clamped to V when sampling)
     top_p: torch.Tensor  # [S] float32; 1.0 keeps all
+    min_p: torch.Tensor  # [S] float32; 0.0 keeps all
     # [S] int64 in [0, 2^32): the row's RNG keys, hashes of its request's 64-bit seed and
     # counter (the tokens it has generated so far), made on the host with the row's params.
     key: torch.Tensor
     key2: torch.Tensor
     all_greedy: bool  # host flag: the batch needs only an argmax
     needs_sort: bool  # host flag: some sampled row has top-k < V or top-p < 1
+    needs_min_p: bool = False  # host flag: some sampled row has min_p > 0
 
     @classmethod
     def from_seqs(
@@ -52,38 +54,41 @@ class SamplingTensors:
     ) -> SamplingTensors:
         """O(S) host work and two host-to-device copies; the flags come from the params, not the device."""
         floats, ints = [], []
-        all_greedy, needs_sort = True, False
+        all_greedy, needs_sort, needs_min_p = True, False, False
         for seq in seqs:
             p = seq.params
             greedy = p.greedy
             top_k = p.top_k if p.top_k > 0 else (vocab_size or _NO_TOP_K)
             if vocab_size is not None:
                 top_k = min(top_k, vocab_size)
-            top_p = p.top_p
+            top_p, min_p = p.top_p, p.min_p
             if greedy:
-                top_k, top_p = vocab_size or _NO_TOP_K, 1.0
+                top_k, top_p, min_p = vocab_size or _NO_TOP_K, 1.0, 0.0
             else:
                 all_greedy = False
                 needs_sort |= top_p < 1.0 or top_k < (vocab_size or _NO_TOP_K)
+                needs_min_p |= min_p > 0
             # Greedy rows draw nothing: no keys to hash.
             key, key2 = (
                 (0, 0)
                 if greedy
                 else _row_keys(seq.sampling_seed & 0xFFFFFFFFFFFFFFFF, len(seq.output_token_ids))
             )
-            floats.append((1.0 if greedy else p.temperature, top_p))
+            floats.append((1.0 if greedy else p.temperature, top_p, min_p))
             ints.append((int(greedy), top_k, key, key2))
-        f = torch.tensor(floats, dtype=torch.float32).reshape(-1, 2).to(device, non_blocking=True)
+        f = torch.tensor(floats, dtype=torch.float32).reshape(-1, 3).to(device, non_blocking=True)
         i = torch.tensor(ints, dtype=torch.int64).reshape(-1, 4).to(device, non_blocking=True)
         return cls(
             temperature=f[:, 0],
             greedy=i[:, 0].bool(),
             top_k=i[:, 1],
             top_p=f[:, 1],
+            min_p=f[:, 2],
             key=i[:, 2],
             key2=i[:, 3],
             all_greedy=all_greedy,
             needs_sort=needs_sort,
+            needs_min_p=needs_min_p,
         )
 
 
@@ -252,7 +257,8 @@ if triton is not None:
 
 
 def filtered_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """logits [S, V] -> [S, V] float32 logits / temperature, tokens outside top-k and top-p at -inf.
+    """logits [S, V] -> [S, V] float32 logits / temperature, tokens outside min-p, top-k and
+    top-p at -inf (vLLM's order: min-p on the scaled distribution, then top-k, then top-p).
 
     One descending sort of the batch serves both filters. Top-k keeps the tokens at least as
     likely as the k-th (ties with it kept). Top-p, on the top-k survivors: a token is dropped
@@ -260,6 +266,10 @@ def filtered_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     kept, and so is the top token. Rows without filters come out exactly as without the sort,
     so a row's draw does not depend on whether a neighbour needed one."""
     scaled = logits.float() / t.temperature[:, None]
+    if t.needs_min_p:  # a row with min_p = 0 drops nothing: no probability is below 0
+        probs = torch.softmax(scaled, dim=-1)
+        below = probs < t.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        scaled = scaled.masked_fill(below, float("-inf"))
     if not t.needs_sort:
         return scaled
     vocab_size = scaled.shape[-1]

@@ -141,9 +141,11 @@ class Server:
         index: int,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(body, name):
-                raise ApiError(400, f"{name} is not supported by ringserve (leave it unset or 0)", name)
+        if body.best_of is not None and body.best_of != body.n:
+            # vLLM's v1 engine refuses it too: n candidates ranked by likelihood are not drawn
+            raise ApiError(
+                400, f"best_of is not supported (leave it unset or equal to n, {body.n})", "best_of"
+            )
         seed = body.seed
         if seed is not None and index:
             seed += index  # n > 1: each choice its own stream of random numbers, as vLLM
@@ -159,6 +161,14 @@ class Server:
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                min_p=body.min_p or 0.0,
+                min_tokens=body.min_tokens,
+                logit_bias=_logit_bias(body.logit_bias),
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
             )
         except RequestError as e:
             raise ApiError(400, str(e)) from None
@@ -502,6 +512,22 @@ class Server:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} -> {id: bias clamped to [-100, 100]}, as vLLM reads it."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias: keys must be token ids, got {key!r}", "logit_bias") from None
+        if token < 0:
+            raise ApiError(400, f"logit_bias: token ids are >= 0, got {token}", "logit_bias")
+        out[token] = min(100.0, max(-100.0, value))
+    return out
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> P.Usage:

@@ -99,6 +99,15 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    # OpenAI's JSON keys are strings: token ids, checked against the vocabulary by the engine
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    best_of: int | None = Field(None, ge=1)
     user: str | None = None
 
 

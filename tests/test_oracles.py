@@ -208,3 +208,37 @@ def test_forced_ring_runs_on_prefill_follow_up_turn_and_decode(algo, llama, monk
         assert rings.take() == {algo: 6 * layers}
         assert dict(engine.cp_steps) == {algo: 13}
     assert_same_logits([got_first, got_second], [ref_first, ref_second])
+
+
+def test_prefix_cache_keys_are_sha256_of_the_chained_blocks_hashed_once_each(monkeypatch):
+    """Python's hash() of int tuples is deterministic: colliding blocks could be searched
+    offline. The keys are SHA-256 (hashlib here is the reference), each block's digest over
+    its parent's digest and its int64 token ids; a growing sequence hashes each block once."""
+    import hashlib
+    import struct
+
+    from ringserve.engine import block_manager as bm
+
+    bs = 4
+    manager = BlockManager(num_blocks=16, block_size=bs)
+    tokens = prompts_of_lengths([11], seed=9)[0]
+    seq = Sequence("r", tokens, SamplingParams())
+    hashed = []
+    real = bm.block_hash
+    monkeypatch.setattr(bm, "block_hash", lambda parent, ids: hashed.append(len(ids)) or real(parent, ids))
+    assert manager.allocate(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    manager.cache_full_blocks(seq)
+    for token in range(100, 110):  # decode: a block fills every 4 tokens
+        seq.output_token_ids.append(token)
+        assert manager.allocate(seq, 1)
+        seq.num_computed_tokens += 1
+        manager.cache_full_blocks(seq)
+    all_tokens = tokens + list(range(100, 110))
+    parent, expected = b"", []
+    for i in range(len(all_tokens) // bs):
+        parent = hashlib.sha256(parent + struct.pack(f"<{bs}q", *all_tokens[i * bs : (i + 1) * bs])).digest()
+        expected.append(parent)
+    assert seq.block_hashes == expected
+    assert hashed == [bs] * len(expected)  # each block once, its own tokens only
+    assert {key for _, key in manager.cached} == set(expected)

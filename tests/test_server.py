@@ -554,7 +554,8 @@ def test_huge_body_is_413(live):
 
 
 def test_api_key(live):
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+    wrong = ["Bearer wrong", KEY, f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", f"bearer {KEY}"]
+    for headers in ({}, *({"Authorization": w} for w in wrong)):
         r = httpx.get(live.url + "/v1/models", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == 401
     with pytest.raises(openai.AuthenticationError):

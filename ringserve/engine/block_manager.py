@@ -1,7 +1,9 @@
 """KV-cache blocks: allocation, reference counts, and the prefix cache.
 
 A full block is named by a hash of its tokens and of the block before it, so equal
-prefixes map to equal hashes. Blocks nobody uses but that hold a hashed prefix stay
+prefixes map to equal hashes. The hash is SHA-256: with Python's hash(), which is
+deterministic for tuples of ints, colliding token blocks could be searched offline and sent
+to read or poison another user's cached KV (vLLM's CVE-2025-25183). Blocks nobody uses but that hold a hashed prefix stay
 cached until memory runs short, then the least recently freed is reused first.
 
 Under context parallelism each of the N ranks has its own pool of blocks; where a block,
@@ -22,6 +24,8 @@ see (the same hash names a block's tokens in every group; each group caches its 
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from ringserve.engine.kv_groups import min_blocks
@@ -52,8 +56,8 @@ class BlockManager:
         self.layout = CPLayout(num_ranks, num_blocks // num_ranks, block_size, lookback)
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
-        self.block_key: list[tuple[int, int] | None] = [None] * num_blocks  # (group, hash) it caches
-        self.cached: dict[tuple[int, int], int] = {}  # (group, hash) -> block
+        self.block_key: list[tuple[int, bytes] | None] = [None] * num_blocks  # (group, hash) it caches
+        self.cached: dict[tuple[int, bytes], int] = {}  # (group, hash) -> block
         # Per rank, blocks with no user, reused from the front: never-hashed ones first,
         # then cached ones from the least recently freed.
         self.free_blocks: list[OrderedDict[int, None]] = [
@@ -82,14 +86,14 @@ class BlockManager:
         total = seq.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
-    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """Hashes of the sequence's first `num_blocks` full blocks, extended incrementally."""
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Hashes of the sequence's first `num_blocks` full blocks, extended incrementally:
+        each new block hashes only its own tokens (and its parent's 32-byte digest)."""
         hashes, size = seq.block_hashes, self.block_size
-        tokens = seq.token_ids if len(hashes) < num_blocks else None
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(tokens[i * size : (i + 1) * size]))))
+            tokens = array("q", seq.token_slice(i * size, (i + 1) * size))
+            hashes.append(block_hash(hashes[-1] if hashes else b"", tokens))
         return hashes[:num_blocks]
 
     def _first_held(self, group: int, num_tokens: int) -> int:
@@ -126,7 +130,7 @@ class BlockManager:
         seq.num_registered_blocks = n
         seq.num_prefix_cached_tokens = seq.num_computed_tokens
 
-    def _same_rank_in_every_group(self, h: int) -> bool:
+    def _same_rank_in_every_group(self, h: bytes) -> bool:
         blocks = [self.cached.get((g, h)) for g in range(self.num_groups)]
         return None not in blocks and len({self.layout.rank_of(b) for b in blocks}) == 1
 
@@ -137,7 +141,7 @@ class BlockManager:
             return 0
         return self._cached_prefix(self._hashes(seq, (seq.num_tokens - 1) // self.block_size))
 
-    def _cached_prefix(self, hashes: list[int]) -> int:
+    def _cached_prefix(self, hashes: list[bytes]) -> int:
         """How many leading blocks of these hashes the cache holds as a hit needs them."""
         full = [g for g, lookback in enumerate(self.group_lookbacks) if lookback is None]
         if self.num_ranks > 1:
@@ -234,3 +238,8 @@ class BlockManager:
                     self.block_key[block] = key
                     self.cached[key] = block
         seq.num_registered_blocks = full
+
+
+def block_hash(parent: bytes, tokens: array) -> bytes:
+    """SHA-256 of a block's parent digest (b"" for the first block) and its int64 token ids."""
+    return hashlib.sha256(parent + tokens.tobytes()).digest()

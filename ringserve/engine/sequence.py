@@ -45,7 +45,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.ends_when_read = False  # its pending token (async scheduling) reaches its length limit
         self.num_prefix_cached_tokens = 0  # of those, found in the prefix cache
-        self.block_hashes: list[int] = []  # prefix-cache hash of each full block of tokens
+        self.block_hashes: list[bytes] = []  # prefix-cache hash (SHA-256) of each full block of tokens
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.finish_reason: str | None = None  # "stop" (EOS, stop token or string) or "length"
         self.stop_reason: int | str | None = None  # the stop token or string that ended it

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import signal
@@ -68,7 +69,9 @@ class _ApiKey:
     async def __call__(self, scope, receive, send):
         if self.api_key and scope["type"] == "http" and scope["path"].startswith("/v1"):
             headers = dict(scope.get("headers") or [])
-            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+            given = headers.get(b"authorization", b"")
+            # constant time: how long a wrong key took to refuse tells nothing of the right one
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode("latin-1", "replace")):
                 response = _error_response(401, "invalid or missing API key (Authorization: Bearer KEY)")
                 await response(scope, receive, send)
                 return

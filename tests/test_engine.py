@@ -244,3 +244,29 @@ def test_token_slice_equals_slicing_all_tokens():
     for start in range(8):
         for end in range(start, 8):
             assert seq.token_slice(start, end) == seq.token_ids[start:end]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_each_output_holds_the_tokens_so_far_without_copying_the_list(llama, async_scheduling):
+    """An output's token_ids is a view of the tokens generated up to it (no per-step copy of
+    the whole list, whose cost grew with the output), still right after later steps; the
+    finished output holds a plain list."""
+    from ringserve.outputs import TokensSoFar
+
+    prompt = prompts_of_lengths([9], seed=5)[0]
+    with LLM(llama, device="cpu", dtype="float32", async_scheduling=async_scheduling) as llm:
+        engine = llm.engine
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        outputs, streamed = [], []
+        while engine.has_unfinished():
+            for out in engine.step():
+                streamed += out.new_token_ids
+                outputs.append((out, list(streamed)))
+    assert len(outputs) == 12 and outputs[-1][0].request_id == rid
+    for out, so_far in outputs[:-1]:
+        assert isinstance(out.token_ids, TokensSoFar)
+        assert out.token_ids._ids is outputs[-2][0].token_ids._ids  # the sequence's own list
+        assert out.token_ids == so_far and list(out.token_ids) == so_far and len(out.token_ids) == len(so_far)
+        assert out.token_ids[-1] == so_far[-1] and out.token_ids[1:3] == so_far[1:3]
+    final = outputs[-1][0]
+    assert type(final.token_ids) is list and final.token_ids == streamed

@@ -41,7 +41,7 @@ from ringserve.engine.sequence import PENDING_TOKEN, Sequence
 from ringserve.engine.step_input import StepInput
 from ringserve.errors import RequestError, RequestTooLargeError
 from ringserve.options import EngineOptions
-from ringserve.outputs import RequestOutput
+from ringserve.outputs import RequestOutput, TokensSoFar
 from ringserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -457,7 +457,11 @@ class LLMEngine:
             prompt=seq.prompt,
             prompt_token_ids=seq.prompt_token_ids,
             text=seq.text,
-            token_ids=list(seq.output_token_ids),
+            token_ids=(
+                list(seq.output_token_ids)
+                if seq.finished
+                else TokensSoFar(seq.output_token_ids, len(seq.output_token_ids))
+            ),
             finished=seq.finished,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,

@@ -178,11 +178,11 @@ def _add_serve_parser(sub) -> None:
 def start_llm(options):
     """The LLM for these options, or None after printing why it cannot start."""
     from ringserve import LLM
-    from ringserve.errors import RingserveError
+    from ringserve.errors import ENGINE_START_ERRORS
 
     try:
         return LLM.from_options(options)
-    except (RingserveError, ValueError, NotImplementedError, MemoryError) as e:
+    except ENGINE_START_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return None
 
@@ -205,9 +205,6 @@ def _serve(args) -> int:
     except OptionError as e:
         print(f"error: {cli_error(e)}", file=sys.stderr)
         return 2
-    llm = start_llm(options)
-    if llm is None:
-        return 2
     name = args.served_model_name or options.model or "SmolLM2-135M-Instruct"
     log_level = "debug" if getattr(args, "verbose", 0) > 1 else "info"
     if args.access_log:  # its own handler: the JSON lines show whatever the log level
@@ -215,8 +212,10 @@ def _serve(args) -> int:
         access.setLevel(logging.INFO)
         access.addHandler(logging.StreamHandler(sys.stderr))
         access.propagate = False
+    # The server binds the port, then its engine thread builds the engine (the thread that
+    # steps it must be the one that ran its first torch ops: ringserve/server/async_engine.py).
     return run_server(
-        llm.engine,
+        options.create_engine,
         name,
         args.host,
         args.port,

@@ -27,3 +27,9 @@ class RequestTooLargeError(RequestError, MemoryError):
 
 class RequestFailedError(RingserveError):
     """A request that failed inside a step (finish_reason "error"); the others went on."""
+
+
+# What building an engine raises for a bad option, model or device, or too little memory:
+# the commands report it as one `error: ...` line and exit 2; anything else is a bug and
+# keeps its traceback.
+ENGINE_START_ERRORS = (RingserveError, ValueError, NotImplementedError, MemoryError)

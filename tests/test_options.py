@@ -160,7 +160,7 @@ def test_every_option_reaches_the_engine_from_llm(tiny_model_dir, engines):
     assert engine.options == EngineOptions(**values)
 
 
-@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["serve"]])
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["serve", "--port", "0"]])
 def test_every_option_reaches_the_engine_from_the_command_line(tiny_model_dir, engines, command):
     values = non_default_values(tiny_model_dir("qwen3_moe"))
     with pytest.raises(_Stop):

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -760,6 +761,126 @@ def test_worker_error_ends_the_server_with_exit_code_1():
     assert run_server(engine, "fake", port=port, log_level="warning") == 1
     thread.join(10)
     assert answers[0].status_code == 500 and "rank 1 died" in answers[0].json()["error"]["message"]
+
+
+# Start-up: the port first, then the engine, built on the engine thread ----------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_taken_port_fails_at_once_before_the_engine_is_built(monkeypatch, capsys):
+    from ringserve.cli import main
+    from ringserve.options import EngineOptions
+
+    def create_engine(self, weights=None):
+        raise AssertionError("the engine was built before the port was bound")
+
+    monkeypatch.setattr(EngineOptions, "create_engine", create_engine)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        code = main(["serve", "--device", "cpu", "--port", str(port)])
+        elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"error: cannot listen on 127.0.0.1:{port}: "), err
+    assert elapsed < 1.0  # the imports are done: nothing loads before the port is bound
+
+
+@pytest.mark.timeout(60)
+def test_the_engine_is_built_and_stepped_on_the_engine_thread_after_the_port_listens():
+    """A connection made while the engine is built waits in the listen backlog and is
+    answered once it is built; the build and every step run on the one engine thread."""
+    from ringserve.outputs import RequestOutput
+    from ringserve.server import run_server
+
+    threads = {"build": None, "steps": set()}
+    building, connected = threading.Event(), threading.Event()
+
+    class AnsweringEngine(FakeEngine):
+        def step(self):
+            threads["steps"].add(threading.current_thread())
+            rid = self.pending.pop(0)
+            return [RequestOutput(rid, None, [1], "x", [7], True, "length")]
+
+    def build():
+        threads["build"] = threading.current_thread()
+        building.set()
+        assert connected.wait(30), "no connection came while the engine was built"
+        return AnsweringEngine(None)
+
+    port = free_port()
+    answers = []
+
+    def client():
+        assert building.wait(30)
+        body = json.dumps({"prompt": [1, 2], "max_tokens": 1}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:  # during the build
+            connected.set()
+            conn.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            answers.append(b"".join(iter(lambda: conn.recv(65536), b"")))
+        os.kill(os.getpid(), signal.SIGTERM)  # served: stop the server (exit 0)
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    assert run_server(build, "fake", port=port, log_level="warning") == 0
+    thread.join(10)
+    assert answers and answers[0].startswith(b"HTTP/1.1 200"), answers
+    assert threads["build"] is not threading.main_thread()
+    assert threads["build"].name == "ringserve-engine" and threads["steps"] == {threads["build"]}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("error", [ValueError("no such model"), MemoryError("too little memory")])
+def test_an_engine_that_cannot_be_built_fails_the_start_with_exit_code_2(error, capsys):
+    from ringserve.server import run_server
+
+    def build():
+        raise error
+
+    assert run_server(build, "fake", port=free_port(), log_level="warning") == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"error: {error}\n") and "Traceback" not in err, err
+
+
+@pytest.mark.timeout(60)
+def test_a_bug_while_building_the_engine_keeps_its_traceback():
+    from ringserve.server import run_server
+
+    def build():
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError, match="a bug"):
+        run_server(build, "fake", port=free_port(), log_level="warning")
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_the_engine_is_built_stops_at_once():
+    """The build cannot be interrupted; the server gives up on it (KeyboardInterrupt, which
+    `ringserve serve` reports as `interrupted`, exit 130) and leaves its thread behind."""
+    from ringserve.server import run_server
+
+    building, release = threading.Event(), threading.Event()
+
+    def build():
+        building.set()
+        release.wait(30)
+        return FakeEngine(None)
+
+    def interrupt():
+        assert building.wait(30)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_server(build, "fake", port=free_port(), log_level="warning")
+        assert time.monotonic() - start < 10
+    finally:
+        release.set()
 
 
 # The engine's additions, on a tiny random model ---------------------------------------------

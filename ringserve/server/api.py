@@ -9,6 +9,8 @@ import hmac
 import json
 import logging
 import signal
+import socket
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ringserve
-from ringserve.errors import RequestError, RingserveError
+from ringserve.errors import ENGINE_START_ERRORS, RequestError, RingserveError
 from ringserve.outputs import RequestOutput, TokenLogprob
 from ringserve.sampling_params import SamplingParams
 from ringserve.server import protocol as P
@@ -40,6 +42,10 @@ logger = logging.getLogger(__name__)
 # The largest request body taken: far above any batch the engine can hold (64 prompts of
 # 128K token ids, about 7 bytes each in JSON, are 58 MB), far below what would strain memory.
 MAX_BODY_BYTES = 64 * 2**20
+
+# Connections that wait to be accepted (uvicorn's default): those that come while the engine
+# is built wait here, and are answered once it is.
+LISTEN_BACKLOG = 2048
 
 
 class ApiError(Exception):
@@ -109,15 +115,41 @@ class _BodyLimit:
         await self.app(scope, counted, send)
 
 
+class _QuietStartupFailure:
+    """Pure ASGI middleware: an engine that could not be built fails the start-up without
+    Starlette's traceback in uvicorn's log; run_server says why (one line for a bad option or
+    model, the traceback of a bug)."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def quiet_send(message):
+            if message["type"] == "lifespan.startup.failed" and self.server.async_engine.build_error:
+                message = {"type": message["type"], "message": ""}
+            await send(message)
+
+        await self.app(scope, receive, quiet_send)
+
+
 class Server:
-    """The app's state: the engine loop, the names, the metrics, the token strings."""
+    """The app's state: the engine loop, the names, the metrics, the token strings.
+    engine: an LLMEngine or a function that builds one (on the engine thread: AsyncEngine)."""
 
     def __init__(self, engine, served_model_name: str, max_waiting: int, on_fatal=None):
-        self.engine = engine
         self.model_name = served_model_name
         self.metrics = Metrics(served_model_name)
         self.async_engine = AsyncEngine(engine, max_waiting, self.metrics, on_fatal)
         self._token_text: dict[int, str] = {}
+
+    @property
+    def engine(self):
+        """The engine, once built: requests are served only after the start-up built it."""
+        return self.async_engine.engine
 
     # Helpers ---------------------------------------------------------------------------
 
@@ -549,15 +581,21 @@ def build_app(
     on_fatal: Callable[[BaseException], None] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     access_log: bool = False,
+    stop_requested: Callable[[], bool] = lambda: False,
 ) -> FastAPI:
-    """The app over an LLMEngine; the engine loop starts and stops with the app's lifespan.
-    access_log: one JSON line per request on the `ringserve.access` logger."""
+    """The app over an LLMEngine, or over a function that builds one: the engine thread
+    calls it, and the start-up (the app's lifespan) ends once it is built, so uvicorn
+    accepts connections only then. The engine loop starts and stops with the lifespan.
+    access_log: one JSON line per request on the `ringserve.access` logger.
+    stop_requested: polled while the engine is built; True (the server was asked to stop)
+    fails the start-up without waiting for the build."""
     server = Server(engine, served_model_name, max_waiting, on_fatal)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         server.async_engine.start()
         try:
+            await server.async_engine.wait_built(stop_requested)
             yield
         finally:
             await server.async_engine.stop()
@@ -568,6 +606,7 @@ def build_app(
     app.add_middleware(_BodyLimit, limit=max_body_bytes)
     if access_log:
         app.add_middleware(AccessLog)
+    app.add_middleware(_QuietStartupFailure, server=server)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -633,6 +672,7 @@ def build_app(
 
     @app.get("/v1/models", response_model=P.ModelList, responses=V1_RESPONSES)
     async def models():
+        engine = server.engine
         card = P.ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
         return P.ModelList(data=[card])
 
@@ -647,9 +687,8 @@ def build_app(
     @app.get("/version", response_model=P.VersionInfo)
     async def version():
         # the layout lets a benchmark result say what it measured (cp scaling, tp, ep)
-        parallel = P.ParallelLayout(
-            tp=engine.parallel.tp, cp=engine.parallel.cp, ep=engine.parallel.ep, dp=engine.parallel.dp
-        )
+        layout = server.engine.parallel
+        parallel = P.ParallelLayout(tp=layout.tp, cp=layout.cp, ep=layout.ep, dp=layout.dp)
         return P.VersionInfo(version=ringserve.__version__, parallel=parallel)
 
     @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
@@ -658,6 +697,22 @@ def build_app(
 
     list_stream_chunks(app, [P.ChatCompletionChunk])
     return app
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port and listening (port 0: one the system picks); raises
+    OSError, e.g. when the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn reads a host
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # as uvicorn: a restarted server need not wait out the old one's closed connections
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def run_server(
@@ -672,8 +727,30 @@ def run_server(
     access_log: bool = False,
 ) -> int:
     """Serve until SIGTERM / Ctrl-C (exit 0: in-flight requests end, the engine closes), or
-    until a parallel worker dies (exit 1)."""
+    until a parallel worker dies (exit 1).
+
+    engine: an LLMEngine, or a function that builds one. The port is bound first: a taken
+    one fails at once (exit 2) before anything is built. The engine thread then calls the
+    function, and connections wait in the listen backlog until the engine is built. A bad
+    option or model found while building is one `error:` line and exit 2, as `start_llm`
+    reports it; any other error is raised. A signal while it builds raises KeyboardInterrupt
+    (the build itself cannot be interrupted: its thread is left to the process's exit)."""
     import uvicorn
+
+    try:
+        sock = listen(host, port)
+    except OSError as e:
+        print(f"error: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
+        return 2
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:  # uvicorn says where it listens only on a socket it bound itself
+                bound_host, bound_port = sockets[0].getsockname()[:2]
+                logging.getLogger("uvicorn.error").info(
+                    "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", bound_host, bound_port
+                )
 
     holder = {}
 
@@ -681,16 +758,24 @@ def run_server(
         logger.error("a parallel worker failed; the server stops: %s", error)
         holder["server"].should_exit = True
 
-    app = build_app(engine, served_model_name, api_key, max_waiting, on_fatal, access_log=access_log)
+    app = build_app(
+        engine,
+        served_model_name,
+        api_key,
+        max_waiting,
+        on_fatal,
+        access_log=access_log,
+        stop_requested=lambda: holder["server"].should_exit,
+    )
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
         log_level=log_level,
+        backlog=LISTEN_BACKLOG,
         timeout_graceful_shutdown=graceful_timeout_s,
         access_log=False,  # ours, structured, when asked for
     )
-    server = holder["server"] = uvicorn.Server(config)
+    server = holder["server"] = _Server(config)
+    async_engine = app.state.server.async_engine
     # uvicorn re-raises the signal that stopped it once it has shut down; handlers that do
     # nothing make that a clean exit 0 after the graceful shutdown.
     previous = {}
@@ -698,12 +783,24 @@ def run_server(
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=[sock])
+    except SystemExit:  # uvicorn's exit when the start-up failed: the build's error says why
+        if async_engine.build_error is None:
+            raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if app.state.server.async_engine.fatal:
+        sock.close()
+    error = async_engine.build_error
+    if isinstance(error, EngineStoppedError):  # a signal while the engine was built
+        raise KeyboardInterrupt
+    if isinstance(error, ENGINE_START_ERRORS):
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if error is not None:
+        raise error
+    if async_engine.fatal:
         return 1
     if not server.started:
-        return 2  # e.g. the port was taken
+        return 2
     return 0

@@ -1,5 +1,10 @@
 """The engine loop: one thread owns the LLMEngine and drives step(); asyncio handlers talk to it.
 
+That thread also builds the engine (loading, warm-up): every torch op of the engine runs on
+it. PyTorch's CPU ops use OpenMP, whose thread pool belongs to the thread that first used
+it: once another thread (the main one) has run torch ops, the same ops on the engine thread
+measured 2-8x slower on a 2-core CPU (an engine step 16-19 ms instead of 7-10 ms).
+
 Commands (add, abort, stop) enter through a thread-safe queue; the loop blocks on it when
 no request is unfinished. Each step's outputs go back to the event loop in one
 call_soon_threadsafe, which routes them to the per-request asyncio queues. Everything
@@ -64,6 +69,9 @@ class _Timing:  # engine-thread side, for the metrics
 
 
 class AsyncEngine:
+    """engine: an LLMEngine, or a function without arguments that builds one; the engine
+    thread calls it (see the module's doc), and `wait_built` waits for it."""
+
     def __init__(
         self,
         engine,
@@ -71,7 +79,10 @@ class AsyncEngine:
         metrics: Metrics | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
     ):
-        self.engine = engine
+        if callable(engine):
+            self.build_engine, self.engine = engine, None
+        else:  # already built: a factory that hands it over
+            self.build_engine, self.engine = (lambda: engine), engine
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.on_fatal = on_fatal  # called on the event loop when a WorkerError ends the engine
@@ -79,8 +90,10 @@ class AsyncEngine:
         self.routes: dict[str, _Route] = {}
         self.num_waiting = 0  # submitted, no output yet (event-loop side)
         self.error: BaseException | None = None
+        self.build_error: BaseException | None = None  # why the engine was never built
         self.fatal = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._built: asyncio.Future | None = None  # done once the engine thread built it
         self.thread: threading.Thread | None = None
         self._stopping = False
         # Engine counters already added to the metrics (preemptions per replica).
@@ -90,16 +103,29 @@ class AsyncEngine:
     # Event-loop side ---------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the engine thread: it builds the engine, then serves the commands."""
         self.loop = asyncio.get_running_loop()
+        self._built = self.loop.create_future()
         self.thread = threading.Thread(target=self._run, name="ringserve-engine", daemon=True)
         self.thread.start()
+
+    async def wait_built(self, give_up: Callable[[], bool] = lambda: False) -> None:
+        """Until the engine is built; raises what building it raised, or EngineStoppedError
+        once give_up() (polled: the server was asked to stop meanwhile) says so."""
+        while not self._built.done():
+            if give_up():
+                self.build_error = EngineStoppedError("the server stopped before the engine was built")
+                raise self.build_error
+            await asyncio.wait({self._built}, timeout=0.1)
+        self._built.result()
 
     async def stop(self) -> None:
         """Abort what is left, close the engine, end the thread."""
         self._stopping = True
         if self.thread is not None and self.thread.is_alive():
-            self.commands.put(("stop",))
-            await asyncio.get_running_loop().run_in_executor(None, self.thread.join)
+            self.commands.put(("stop",))  # a thread still building closes the engine once built
+            if self.engine is not None:  # a build cannot be interrupted: not waited for
+                await asyncio.get_running_loop().run_in_executor(None, self.thread.join)
         elif self.engine is not None:
             self.engine.close()
         for route in list(self.routes.values()):
@@ -189,6 +215,16 @@ class AsyncEngine:
         for rid in list(self.routes):
             self._fail(rid, error)
 
+    def _build_done(self, error: BaseException | None) -> None:
+        if error is not None:
+            self.error = self.build_error = error
+        if self._built.done():  # given up on meanwhile
+            return
+        if error is None:
+            self._built.set_result(None)
+        else:
+            self._built.set_exception(error)
+
     def _died(self, error: BaseException) -> None:
         self.error = error
         self._fail_all(EngineDeadError(f"the engine stopped on an error: {_describe(error)}"))
@@ -202,7 +238,13 @@ class AsyncEngine:
     # Engine-thread side ------------------------------------------------------------------
 
     def _run(self) -> None:
-        engine = self.engine
+        try:
+            engine = self.build_engine()
+        except BaseException as e:  # noqa: B036 - whatever it was, start-up reports it
+            self._call(self._build_done, e)
+            return
+        self.engine = engine
+        self._call(self._build_done, None)
         timings: dict[str, _Timing] = {}
         try:
             while True:

@@ -49,8 +49,8 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        if isinstance(self.stop, (list, tuple)):
-            self.stop = [s for s in self.stop if s != ""]
+        if isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
         if self.top_k == -1:
             self.top_k = 0
         self.verify()
@@ -71,6 +71,8 @@ class SamplingParams:
             raise RequestError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise RequestError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if "" in self.stop:  # it would end every request at once; vLLM refuses it too
+            raise RequestError("stop cannot contain an empty string")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
             _is_int(t) for t in self.stop_token_ids
         ):

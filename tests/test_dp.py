@@ -146,10 +146,10 @@ def _run_uneven(folder, layout, monkeypatch):
     sampled, per_step = {}, []
     real_sample = engine_module._sample_or_blame
 
-    def recording_sample(logits, seqs):
+    def recording_sample(logits, seqs, *args):
         for row, seq in zip(logits, seqs):
             sampled[(seq.request_id, seq.num_tokens - 1)] = row.clone()
-        return real_sample(logits, seqs)
+        return real_sample(logits, seqs, *args)
 
     monkeypatch.setattr(engine_module, "_sample_or_blame", recording_sample)
     tokens = {}

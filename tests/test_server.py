@@ -396,6 +396,13 @@ BAD = [
     ({"prompt": [[5], [49152]]}, 400, "prompt"),
     ({"prompt": [-1]}, 400, "prompt"),
     ({"prompt": [1] * MAX_MODEL_LEN}, 400, "prompt"),
+    (Raw(json.dumps({"model": NAME, "prompt": "a\ud800b"})), 400, "prompt"),
+    (Raw(json.dumps({"model": NAME, "prompt": ["ok", "a\udfffb"]})), 400, "prompt"),
+    ({"prompt": "Hi", "stop": ["x", ""]}, 400, "stop"),
+    (Raw(json.dumps({"model": NAME, "prompt": "Hi", "stop": "\ud800"})), 400, "stop"),
+    ({"prompt": "Hi", "stop_token_ids": [1] * 257}, 400, "stop_token_ids"),
+    ({"prompt": "Hi", "stop_token_ids": [49152]}, 400, "stop_token_ids"),
+    ({"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "Hi", "model": "gpt-5"}, 404, "model"),
     ({"prompt": "Hi", "stream": True, "model": "nope"}, 404, "model"),
 ]
@@ -425,6 +432,18 @@ BAD_CHAT = [
     ({"messages": HI, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": HI, "n": MAX_WAITING + 1}, "n"),
+    (Raw(json.dumps({"model": NAME, "messages": [{"role": "user", "content": "a\ud800"}]})), "messages"),
+    (
+        Raw(
+            json.dumps(
+                {
+                    "model": NAME,
+                    "messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}],
+                }
+            )
+        ),
+        "messages",
+    ),
 ]
 
 
@@ -619,6 +638,9 @@ class FakeEngine:
     def check_prompt(self, ids):
         if not ids:
             raise RequestError("the prompt is empty")
+
+    def check_params(self, params):
+        pass
 
     def add_request(self, prompt, params, request_id, prompt_token_ids=None):
         self.pending.append(request_id)

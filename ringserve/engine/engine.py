@@ -34,7 +34,7 @@ from ringserve.engine.loading import (
 )
 from ringserve.engine.logits_adjust import LogitsAdjuster
 from ringserve.engine.logprobs import DeviceLogprobs, token_logprobs
-from ringserve.engine.request_checks import check_params, check_prompt
+from ringserve.engine.request_checks import check_params, check_prompt, check_text
 from ringserve.engine.sampler import sample_on_device
 from ringserve.engine.scheduler import ScheduledBatch, Scheduler
 from ringserve.engine.sequence import PENDING_TOKEN, Sequence
@@ -175,6 +175,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(f"{self.model_path} has no tokenizer: pass token ids, not text")
+            check_text(prompt)
             if chat:
                 return self.chat_prompt([{"role": "user", "content": prompt}])[1]
             return self.tokenizer.encode(prompt)
@@ -208,6 +209,7 @@ class LLMEngine:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
         )
+        check_text(text)
         # The template writes the special tokens (BOS and the turn markers) itself.
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 

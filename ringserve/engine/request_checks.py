@@ -53,8 +53,24 @@ def check_params(params: SamplingParams, *, max_model_len: int, vocab_size: int)
         )
     if params.logprobs is not None and params.logprobs > vocab_size:
         raise RequestError(f"logprobs={params.logprobs} is more than the vocabulary's {vocab_size} tokens")
+    outside = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if outside:
+        raise RequestError(
+            f"stop_token_ids: token id {outside[0]} is outside the vocabulary (ids 0..{vocab_size - 1})"
+        )
     outside = [t for t in params.logit_bias or () if t >= vocab_size]
     if outside:
         raise RequestError(
             f"logit_bias: token id {outside[0]} is outside the vocabulary (ids 0..{vocab_size - 1})"
         )
+
+
+def check_text(text: str) -> None:
+    """Text a tokenizer can encode: not a lone UTF-16 surrogate (JSON's "\\ud800" decodes to
+    one), which would fail inside the tokenizer with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(
+            f"the text is not valid Unicode: a lone surrogate {text[e.start]!r} at character {e.start}"
+        ) from None

@@ -8,6 +8,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import signal
 import socket
 import sys
@@ -153,9 +154,11 @@ class Server:
 
     # Helpers ---------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+    def check_request(self, body: P.SamplingFields) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"The model `{body.model}` does not exist.", "model")
+        if body.stream_options is not None and not body.stream:  # as vLLM
+            raise ApiError(400, "stream_options can only be set when stream is true", "stream_options")
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -185,7 +188,7 @@ class Server:
         if seed is not None and index:
             seed += index  # n > 1: each choice its own stream of random numbers, as vLLM
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
@@ -205,8 +208,13 @@ class Server:
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
             )
+            self.engine.check_params(params)  # against the model too (vocabulary, context)
         except RequestError as e:
-            raise ApiError(400, str(e)) from None
+            # the messages start with the field at fault ("stop_token_ids: token id ...")
+            field = re.match(r"\w+", str(e))
+            param = field.group() if field and field.group() in type(body).model_fields else None
+            raise ApiError(400, str(e), param) from None
+        return params
 
     def max_tokens(self, requested: int | None, prompt_len: int) -> int:
         limit = self.engine.max_model_len
@@ -231,7 +239,7 @@ class Server:
     # Completions -----------------------------------------------------------------------
 
     async def completions(self, body: P.CompletionRequest, request: Request):
-        self.check_model(body.model)
+        self.check_request(body)
         if body.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
         # echo with logprobs scores the prompt too (what eval harnesses send); vLLM's
@@ -401,7 +409,7 @@ class Server:
     # Chat ------------------------------------------------------------------------------
 
     async def chat(self, body: P.ChatCompletionRequest, request: Request):
-        self.check_model(body.model)
+        self.check_request(body)
         if body.top_logprobs and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]

@@ -7,12 +7,22 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 logger = logging.getLogger(__name__)
 
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 MAX_STOP_STRINGS = 64
+MAX_STOP_TOKEN_IDS = 256
 
 
 def _integral_floats_to_ints(value: Any) -> Any:
@@ -25,6 +35,23 @@ def _integral_floats_to_ints(value: Any) -> Any:
     if isinstance(value, list):
         return [_integral_floats_to_ints(v) for v in value]
     return value
+
+
+def lone_surrogate(value: Any, where: str = "") -> str | None:
+    """Where the first string holding a lone UTF-16 surrogate is (JSON's "\\ud800" escapes
+    decode to one; no tokenizer can encode it), as "messages.0.content"; None if nowhere."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = lone_surrogate(item, f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return None
 
 
 def _json_shape(value: Any) -> str:
@@ -80,6 +107,16 @@ class _Body(BaseModel):
             logger.warning("%s: fields ignored: %s", cls.__name__, sorted(map(str, unknown)))  # as vLLM
         return _integral_floats_to_ints(data)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        # JSON's "\\ud800" escape decodes to a lone surrogate, which no tokenizer can encode:
+        # refused here, naming the field, not a 500 from inside the tokenizer
+        if (where := lone_surrogate(value)) is not None:
+            inside = "" if where == "body" else f" (at {where})"
+            raise ValueError(f"the text is not valid Unicode{inside}: it holds a lone surrogate")
+        return value
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
@@ -92,7 +129,10 @@ class SamplingFields(_Body):
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=_INT64_MIN, le=_UINT64_MAX)
     stop: StopStrings | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    # each is looked for after every token, so bounded as the stop strings are
+    stop_token_ids: (
+        Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None
+    ) = None
     n: int = Field(1, ge=1, le=128)
     ignore_eos: bool = False
     stream: bool = False

@@ -132,12 +132,15 @@ def main() -> int:
         server = [sys.executable, "-m", "ringserve.cli", "serve", folder, "--port", str(args.port)]
         server += ["--max-num-seqs", "64", *shlex.split(args.server_args)]
     summary = {}
+    # transformers serve refuses vLLM's ignore_eos (HTTP 422); random weights all but never
+    # pick EOS (1 in ~49K a token), so its outputs run to max_tokens as well
+    ignore_eos = () if args.peer else ("--ignore-eos",)
 
     def bench(name: str, *flags: str) -> dict:
         name = args.tag + name
         cmd = [
             sys.executable, "-m", "ringserve.cli", "bench", "serve", "--port", str(args.port),
-            "--model", folder, "--tokenizer", args.tokenizer, "--endpoint", "chat", "--ignore-eos",
+            "--model", folder, "--tokenizer", args.tokenizer, "--endpoint", "chat", *ignore_eos,
             "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,90,99,100", "--goodput", "ttft:350", "tpot:25", "--save-result",
             "--result-dir", args.out, "--result-filename", name + ".json", "--disable-tqdm", *flags,

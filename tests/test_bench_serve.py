@@ -382,3 +382,38 @@ def test_bad_flags_exit_2(capsys):
     assert "positive finite rates" in capsys.readouterr().err
     assert main(["bench", "serve", "--slo-share", "1.5"]) == 2
     assert "--slo-share must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_a_server_that_lists_no_model_is_benchmarked_under_the_given_model():
+    """transformers serve lists no model in /v1/models: --model names it; without one the
+    client says what to pass."""
+    import http.server
+    import json
+    import threading
+    from types import SimpleNamespace
+
+    from ringserve.benchmarks.serve import BenchError, connect
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"object": "list", "data": []}).encode() if self.path == "/v1/models" else b"{}"
+            self.send_response(200 if self.path == "/v1/models" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        args = SimpleNamespace(
+            base_url=f"http://127.0.0.1:{server.server_port}", api_key=None, model="/m/llama"
+        )
+        info = connect(args)
+        assert info.model == "/m/llama" and info.model_root is None
+        with pytest.raises(BenchError, match="lists no model: name one with --model"):
+            connect(SimpleNamespace(**{**vars(args), "model": None}))
+    finally:
+        server.shutdown()

@@ -163,8 +163,8 @@ def connect(args) -> ServerInfo:
             version = version if isinstance(version, dict) else {}
     except httpx.HTTPError as e:
         raise BenchError(f"cannot reach the server at {base}: {e}") from None
-    if not cards:
-        raise BenchError(f"{base}/v1/models lists no model")
+    if not cards and not args.model:  # a --model is sent as given (transformers serve lists none)
+        raise BenchError(f"{base}/v1/models lists no model: name one with --model")
     model = args.model or cards[0]["id"]
     card = next((c for c in cards if c["id"] == model), {})
     return ServerInfo(base, headers, model, card.get("root"), version)

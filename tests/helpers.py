@@ -106,3 +106,9 @@ def ring_inputs(step, key_positions, totals: list[int], rank: int, heads: int, k
     k = torch.cat([x[p[rank]] for x, p in zip(ks, key_positions)])
     v = torch.cat([x[p[rank]] for x, p in zip(vs, key_positions)])
     return qs, ks, vs, q_positions, q, k, v
+
+
+def prompts_of_lengths(lengths, seed=0, vocab: int = 256) -> list[list[int]]:
+    """Random token-id prompts of these lengths (ids below `vocab`), the same for a seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -8,10 +8,7 @@ import torch
 
 from ringserve import LLM, SamplingParams
 
-
-def prompts_of_lengths(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+from helpers import prompts_of_lengths
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,10 @@ from ringserve.parallel.cp import CPCalibration, PagedKeys, RingAttention, choos
 from ringserve.parallel.cp_layout import place_blocks
 from ringserve.parallel.local_world import run_local_world
 
-from helpers import ring_inputs, ring_step
+from helpers import prompts_of_lengths, ring_inputs, ring_step
 
 BS = 4  # small KV blocks so that short prompts spread over every rank
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-
-
-def prompts_of_lengths(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
 
 
 LONG = prompts_of_lengths([101])[0]  # not a multiple of 2N blocks nor tokens for N = 2, 3, 4

@@ -3,16 +3,12 @@ against the same request run alone, unchunked, uncached or unpreempted (which th
 tests check against transformers)."""
 
 import pytest
-import torch
 
 from ringserve import LLM, RequestError, SamplingParams
 
+from helpers import prompts_of_lengths
+
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-
-
-def prompts_of_lengths(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@ from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.sequence import Sequence
 from ringserve.parallel.cp import RingAttention
 
+import helpers
 from helpers import VOCAB, run_requests, scored
 
 
 def prompts_of_lengths(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    return helpers.prompts_of_lengths(lengths, seed, VOCAB)
 
 
 def assert_same_logits(got, expected):

@@ -12,12 +12,9 @@ from ringserve.engine.sampler import SamplingTensors, filtered_logits
 from ringserve.engine.sequence import Sequence
 from ringserve.tiny_models import hf_greedy, hf_model
 
+from helpers import prompts_of_lengths
+
 MAX_TOKENS = 14
-
-
-def prompts_of_lengths(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")

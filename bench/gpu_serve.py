@@ -77,10 +77,12 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 400) -> Non
 
 
 @contextlib.contextmanager
-def running(cmd: list[str], port: int):
-    print("$", shlex.join(cmd), flush=True)
+def running(cmd: list[str], port: int, log_path: str):
+    """The server runs with its output in log_path (kept with the results, to diagnose)."""
+    print("$", shlex.join(cmd), f"> {log_path}", flush=True)
     start = time.monotonic()
-    server = subprocess.Popen(cmd, start_new_session=True)
+    log = open(log_path, "w")
+    server = subprocess.Popen(cmd, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_ready(port, server)
         print(f"server ready after {time.monotonic() - start:.0f} s", flush=True)
@@ -93,6 +95,7 @@ def running(cmd: list[str], port: int):
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
                 print("server did not exit within 60 s of SIGTERM: killed", flush=True)
+        log.close()
 
 
 def main() -> int:
@@ -163,7 +166,7 @@ def main() -> int:
             "--random-range-ratio", str(args.range_ratio),
         )  # fmt: skip
 
-    with running(server, args.port):
+    with running(server, args.port, os.path.join(args.out, f"{args.tag}server.log")):
         for c in args.concurrency:
             plot = (
                 ("--plot", os.path.join(args.out, f"{args.tag}serve_c{c}.png"))

@@ -3,7 +3,15 @@
 from ringserve.errors import ModelLoadError, RequestError, RingserveError
 from ringserve.llm import LLM
 from ringserve.outputs import RequestOutput
-from ringserve.sampling_params import SamplingParams
+from ringserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "ModelLoadError", "RequestError", "RequestOutput", "RingserveError", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "ModelLoadError",
+    "RequestError",
+    "RequestOutput",
+    "RingserveError",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 __version__ = "0.1.0"

@@ -74,3 +74,6 @@ class RequestOutput:
     # (nothing precedes it), then each token's log-probability given the tokens before it.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None  # why the request failed, when finish_reason is "error"
+    # the failure was the request's own doing (e.g. a grammar the vocabulary cannot follow),
+    # not the engine's: the server answers 400, not 500
+    request_at_fault: bool = False

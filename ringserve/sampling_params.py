@@ -13,6 +13,46 @@ GREEDY_BELOW = 1e-5
 
 
 @dataclass
+class StructuredOutputsParams:
+    """What the output must follow (vLLM's StructuredOutputsParams): exactly one of a JSON
+    schema, any JSON object, a regular expression, a choice of strings, or a grammar (Lark,
+    or llama.cpp's GBNF). The engine enforces it token by token (engine/structured_output.py)."""
+
+    json: dict | str | None = None  # a JSON schema, as a dict or its JSON text
+    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+    regex: str | None = None  # the whole output matches it
+    choice: list[str] | None = None  # the output is one of these strings
+    grammar: str | None = None  # a context-free grammar, Lark or GBNF
+    # JSON without free whitespace between tokens: "{\"a\":1}" only, not "{ \"a\" : 1 }"
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        kinds += ["json_object"] if self.json_object is True else []
+        if len(kinds) != 1:
+            raise RequestError(
+                "structured_outputs must set exactly one of json, json_object, regex, choice and grammar"
+                f", got {kinds or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise RequestError(f"structured_outputs.json must be a JSON schema, got {_shorten(self.json)}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise RequestError(f"structured_outputs.{name} must be a string")
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise RequestError(
+                f"structured_outputs.choice must be a non-empty list of strings, got {_shorten(self.choice)}"
+            )
+        for name in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"structured_outputs.{name} must be True or False")
+
+
+@dataclass
 class SamplingParams:
     max_tokens: int = 16  # new tokens at most; 0: only the prefill (e.g. for prompt_logprobs)
     temperature: float = 1.0  # 0 (below 1e-5): greedy
@@ -43,6 +83,9 @@ class SamplingParams:
     min_tokens: int = 0  # no EOS, stop token or stop string before this many tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
+    # The output follows a JSON schema, regex, choice or grammar; None: free text. Its mask
+    # applies before everything above, and logprobs are those of the masked distribution, as vLLM.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if self.stop is None:
@@ -100,6 +143,11 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise RequestError(
                 f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise RequestError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}"
             )
         bias = self.logit_bias
         if bias is not None:

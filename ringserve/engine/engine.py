@@ -39,6 +39,7 @@ from ringserve.engine.sampler import sample_on_device
 from ringserve.engine.scheduler import ScheduledBatch, Scheduler
 from ringserve.engine.sequence import PENDING_TOKEN, Sequence
 from ringserve.engine.step_input import StepInput
+from ringserve.engine.structured_output import GrammarCompiler, GrammarMasks
 from ringserve.errors import RequestError, RequestTooLargeError
 from ringserve.options import EngineOptions
 from ringserve.outputs import RequestOutput, TokensSoFar
@@ -120,6 +121,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, config, self.tokenizer)
         self.logits_adjuster = LogitsAdjuster(config.vocab_size, self.device, self.eos_token_ids)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, config.vocab_size, self.eos_token_ids)
+        self.grammar_masks = GrammarMasks(config.vocab_size, self.device)
         self.cp_policy = CPPolicy(self.cp_algo, parallel.cp, config, self.dtype, self.device.type)
         num_blocks = self.executor.num_blocks * parallel.cp  # each CP rank has its own pool
         self.kv_groups = KVGroups.for_model(config)  # the workers' grouping
@@ -236,6 +239,8 @@ class LLMEngine:
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, token_ids, params, prompt if isinstance(prompt, str) else None)
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammar_compiler.matcher(params.structured_outputs)
         seq.arrival_time = time.monotonic()
         self.seqs[request_id] = seq
         if self.tokenizer is not None:
@@ -255,8 +260,11 @@ class LLMEngine:
         )
 
     def check_params(self, params: SamplingParams) -> None:
-        """Sampling parameters this model can serve; RequestError names the field."""
+        """Sampling parameters this model can serve; RequestError names the field. A grammar
+        is compiled here (kept for add_request): call it off an event loop."""
         check_params(params, max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size)
+        if params.structured_outputs is not None:
+            self.grammar_compiler.check(params.structured_outputs)
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -339,6 +347,8 @@ class LLMEngine:
         no_token = [seq for seq in sampling if seq.params.max_tokens == 0]
         logits = logits[:num_sampling] if not no_token else logits[keep]
         sampling = [sampling[i] for i in keep]
+        if any(seq.grammar is not None for seq in sampling):  # masked before the logprobs, as vLLM
+            logits = self._constrain(logits, sampling, inflight)
         self.logits_adjuster.release_finished(self.seqs)
         # logits stay raw for the logprobs (vLLM's default); the tokens come from the adjusted
         tokens, kept, errors = _sample_or_blame(logits, sampling, self.logits_adjuster)
@@ -348,6 +358,25 @@ class LLMEngine:
         self.logits_adjuster.record(sampling, tokens)
         logprobs = _sampled_logprobs(logits, sampling, tokens)
         return LaunchedStep(batch, sampling, tokens, logprobs, no_token, failed)
+
+    def _constrain(
+        self, logits: torch.Tensor, sampling: list[Sequence], inflight: LaunchedStep | None
+    ) -> torch.Tensor:
+        """logits [S, V] -> the disallowed tokens of the rows with a grammar at -inf. Each
+        grammar first takes the tokens it has not seen: under async scheduling, the last one
+        is read from the step in flight (it was sampled before this step's forward pass, so
+        the wait is short, and this step's forward pass runs meanwhile)."""
+        rows = [i for i, seq in enumerate(sampling) if seq.grammar is not None]
+        inflight_tokens = None
+        for i in rows:
+            seq = sampling[i]
+            pending = None
+            if seq.output_token_ids and seq.output_token_ids[-1] == PENDING_TOKEN:
+                if inflight_tokens is None:
+                    inflight_tokens = inflight.read_tokens()
+                pending = inflight_tokens[inflight.row_of[seq.request_id]]
+            seq.grammar.advance(seq.output_token_ids, pending)
+        return self.grammar_masks.apply(logits, rows, [sampling[i].grammar for i in rows])
 
     def _commit(self, launched: LaunchedStep) -> list[RequestOutput]:
         """The host's record of a launched step: computed tokens, full blocks offered to the
@@ -422,13 +451,17 @@ class LLMEngine:
     def _fail_request(self, seq: Sequence, error: Exception) -> RequestOutput:
         """End a request whose own processing failed in a step (finish_reason "error"); its
         blocks are freed and the other requests of the step go on."""
-        logger.error("request %s failed in a step and was ended", seq.request_id, exc_info=error)
+        if isinstance(error, RequestError):  # the request's own doing: no traceback
+            logger.info("request %s was ended: %s", seq.request_id, error)
+        else:
+            logger.error("request %s failed in a step and was ended", seq.request_id, exc_info=error)
         self.detokenizers.pop(seq.request_id, None)  # the output below must not decode again
         if not seq.finished:
             self.scheduler.finish(seq)
         seq.finish_reason, seq.stop_reason = "error", None
         out = self._output(seq, [])
         out.error = f"{type(error).__name__}: {error}"
+        out.request_at_fault = isinstance(error, RequestError)
         self.seqs.pop(seq.request_id, None)
         return out
 
@@ -446,8 +479,22 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
+        elif seq.grammar is not None and self._grammar_done(seq):
+            seq.finish_reason = "stop"
         elif self._at_length_limit(seq):
             seq.finish_reason = "length"
+
+    def _grammar_done(self, seq: Sequence) -> bool:
+        """Whether the output is complete in its grammar (nothing more may follow); a grammar
+        that failed ends its request alone, with the reason."""
+        seq.grammar.advance(seq.output_token_ids)
+        if seq.grammar.error is not None:
+            # e.g. a grammar that needs a byte no token of this vocabulary holds
+            raise RequestError(
+                "structured_outputs: the model's tokens cannot follow the grammar here: "
+                + seq.grammar.error.split("\n")[0]
+            )
+        return seq.grammar.done
 
     def _at_length_limit(self, seq: Sequence) -> bool:
         return len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len

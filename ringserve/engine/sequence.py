@@ -61,6 +61,9 @@ class Sequence:
         )
         self.arrival_time = 0.0
         self.first_token_time: float | None = None
+        # With params.structured_outputs: where its output stands in the grammar (the engine's
+        # structured_output.Grammar), advanced as tokens are read.
+        self.grammar = None
 
     @property
     def block_table(self) -> list[int]:

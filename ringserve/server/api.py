@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import ringserve
 from ringserve.errors import ENGINE_START_ERRORS, RequestError, RingserveError
 from ringserve.outputs import RequestOutput, TokenLogprob
-from ringserve.sampling_params import SamplingParams
+from ringserve.sampling_params import SamplingParams, StructuredOutputsParams
 from ringserve.server import protocol as P
 from ringserve.server.access_log import AccessLog
 from ringserve.server.async_engine import AsyncEngine, EngineStoppedError, OverloadedError
@@ -171,6 +171,43 @@ class Server:
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
+    async def structured_outputs(self, body: P.SamplingFields) -> StructuredOutputsParams | None:
+        """What the request's output must follow, its grammar compiled (off the event loop:
+        a large schema takes a while) and kept for when the request is added."""
+        asked = {}  # the field that asks -> StructuredOutputsParams' arguments
+        rf = body.response_format
+        if rf is not None and rf.type == "json_object":
+            asked["response_format"] = {"json_object": True}
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ApiError(400, "response_format json_schema needs json_schema.schema", "response_format")
+            asked["response_format"] = {"json": rf.json_schema.schema_}
+        if body.structured_outputs is not None:
+            so = body.structured_outputs
+            asked["structured_outputs"] = {
+                "json": so.json_, "json_object": bool(so.json_object), "regex": so.regex,
+                "choice": so.choice, "grammar": so.grammar, "disable_any_whitespace": so.disable_any_whitespace,
+            }  # fmt: skip
+        for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+            if getattr(body, field) is not None:
+                asked[field] = {kind: getattr(body, field)}
+        if body.guided_grammar is not None:
+            asked["guided_grammar"] = {"grammar": body.guided_grammar}
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise ApiError(
+                400, f"ask for one structured output at a time, not {', '.join(asked)}", next(iter(asked))
+            )
+        field, kwargs = next(iter(asked.items()))
+        try:
+            spec = StructuredOutputsParams(**kwargs)
+            await self.off_loop(self.engine.grammar_compiler.check, spec)
+        except RequestError as e:
+            # the engine's messages name structured_outputs: name the field the request used
+            raise ApiError(400, re.sub(r"^structured_outputs", field, str(e)), field) from None
+        return spec
+
     def params(
         self,
         body: P.SamplingFields,
@@ -178,6 +215,7 @@ class Server:
         logprobs: int | None,
         index: int,
         prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         if body.best_of is not None and body.best_of != body.n:
             # vLLM's v1 engine refuses it too: n candidates ranked by likelihood are not drawn
@@ -207,6 +245,7 @@ class Server:
                 logit_bias=_logit_bias(body.logit_bias),
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
+                structured_outputs=structured_outputs,
             )
             self.engine.check_params(params)  # against the model too (vocabulary, context)
         except RequestError as e:
@@ -269,6 +308,7 @@ class Server:
                     for t, ids in zip(texts, token_ids)
                 ]
             )
+        structure = await self.structured_outputs(body)
         n = body.n
         request_id = P.random_id("cmpl")
         created = int(time.time())
@@ -277,7 +317,7 @@ class Server:
         for i, ids in enumerate(token_ids):
             max_tokens = self.max_tokens(body.max_tokens, len(ids))
             for j in range(n):
-                params = self.params(body, max_tokens, body.logprobs, j, prompt_logprobs)
+                params = self.params(body, max_tokens, body.logprobs, j, prompt_logprobs, structure)
                 items.append((f"{request_id}-{i * n + j}", ids, params))
         stream = self.submit(items)
         echo = [texts[k // n] if body.echo else "" for k in range(len(items))]
@@ -427,8 +467,16 @@ class Server:
         request_id = P.random_id("chatcmpl")
         created = int(time.time())
         n = body.n
+        structure = await self.structured_outputs(body)
         stream = self.submit(
-            [(f"{request_id}-{j}", token_ids, self.params(body, max_tokens, logprobs, j)) for j in range(n)]
+            [
+                (
+                    f"{request_id}-{j}",
+                    token_ids,
+                    self.params(body, max_tokens, logprobs, j, structured_outputs=structure),
+                )
+                for j in range(n)
+            ]
         )
 
         def logprobs_of(lps: list[TokenLogprob] | None) -> P.ChatLogprobs | None:

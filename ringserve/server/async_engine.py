@@ -195,8 +195,9 @@ class AsyncEngine:
             route = self.routes.get(out.request_id)
             if route is None:
                 continue  # aborted meanwhile
-            if out.error is not None:  # it failed alone inside a step: a 500 for it alone
-                self._fail(out.request_id, RequestFailedError(f"the request failed: {out.error}"))
+            if out.error is not None:  # it failed alone inside a step: a 500 (400) for it alone
+                error = RequestError if out.request_at_fault else RequestFailedError
+                self._fail(out.request_id, error(f"the request failed: {out.error}"))
                 continue
             if route.waiting:
                 route.waiting = False

@@ -103,7 +103,8 @@ class _Body(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _json_numbers(cls, data: Any) -> Any:
-        if isinstance(data, dict) and (unknown := data.keys() - cls.model_fields.keys()):
+        known = {f.alias or name for name, f in cls.model_fields.items()}
+        if isinstance(data, dict) and (unknown := data.keys() - known):
             logger.warning("%s: fields ignored: %s", cls.__name__, sorted(map(str, unknown)))  # as vLLM
         return _integral_floats_to_ints(data)
 
@@ -120,6 +121,29 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs field: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
 
 
 class SamplingFields(_Body):
@@ -149,6 +173,14 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = True
     best_of: int | None = Field(None, ge=1)
     user: str | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
+    # older guided_* fields; one of them at a time
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -228,12 +228,15 @@ def test_echo_with_logprobs_scores_the_prompt(live):
         assert lp.tokens == texts and lp.text_offset == _offsets(texts)
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+        # the likeliest token, then the prompt's own when it is not the likeliest (as vLLM)
         assert [list(top) for top in lp.top_logprobs[1:]] == [
-            [_token_text(live, i)] for i in best_ids.tolist()
+            [_token_text(live, b)] + ([_token_text(live, t)] if t != b else [])
+            for b, t in zip(best_ids.tolist(), ids[1:])
         ]
-        assert [v for top in lp.top_logprobs[1:] for v in top.values()] == pytest.approx(
+        assert [list(top.values())[0] for top in lp.top_logprobs[1:]] == pytest.approx(
             best_values.tolist(), abs=1e-4
         )
+        assert [top[tok] for tok, top in zip(texts[1:], lp.top_logprobs[1:])] == pytest.approx(want, abs=1e-4)
     # With generated tokens (lm-eval sends max_tokens=1): the prompt's entries, then the
     # generated ones as a plain logprobs request gives them; streamed chunks add up to it.
     kw = dict(model=NAME, prompt=prompt, max_tokens=2, temperature=0, logprobs=1)
@@ -269,6 +272,164 @@ def test_vllm_prompt_logprobs_field(live):
         for rank, (t, v) in enumerate(zip(top.tolist(), values.tolist()), start=1):
             assert entry[str(t)]["rank"] == rank and entry[str(t)]["logprob"] == pytest.approx(v, abs=1e-4)
         assert len(entry) == len({*top.tolist(), ids[i + 1]})
+
+
+def test_chat_logprobs_bytes_rebuild_emoji_and_cjk(live):
+    """Each content entry carries its token's own bytes: a character split over tokens (an
+    emoji, CJK in byte-level BPE) is rebuilt from them, streamed or not."""
+    pieces_split = 0
+    for question in ("Reply with three emoji.", "Write the word 'hello' in Chinese characters."):
+        kw = dict(
+            model=NAME,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=24,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+        )
+        out = live.client.chat.completions.create(**kw)
+        text, content = out.choices[0].message.content, out.choices[0].logprobs.content
+        assert any(ord(c) > 0x2E80 for c in text), text  # the answer holds CJK or emoji
+        stopped = out.choices[0].finish_reason == "stop"
+        if stopped:  # the end-of-turn token is listed (as vLLM lists it) but is not in the text
+            assert content[-1].token == "<|im_end|>"
+            content = content[:-1]
+        assert bytes(b for c in content for b in c.bytes).decode() == text
+        for c in content:
+            try:
+                assert bytes(c.bytes).decode() == c.token
+            except UnicodeDecodeError:  # a piece of a character: its text alone is U+FFFD
+                pieces_split += 1
+                assert c.token.strip(" ") and set(c.token.strip(" ")) == {"\ufffd"}
+            # the likeliest token at each greedy step is the chosen one, with its bytes
+            assert c.top_logprobs[0].bytes == c.bytes and c.top_logprobs[0].token == c.token
+            assert len(c.top_logprobs) == 2
+        streamed = live.client.chat.completions.create(stream=True, **kw)
+        chunks = [
+            c
+            for chunk in streamed
+            if chunk.choices and chunk.choices[0].logprobs
+            for c in chunk.choices[0].logprobs.content
+        ]
+        assert bytes(b for c in chunks[: len(content)] for b in c.bytes).decode() == text
+    assert pieces_split  # the check above met split characters
+
+
+def test_chosen_token_outside_top_n_is_listed(live):
+    """A forced token (logit_bias) far down the model's ranking is still in top_logprobs,
+    after the N likeliest (N + 1 entries), with its raw log-probability, as vLLM."""
+    prompt = "The capital of France is"
+    ids = live.engine.tokenize(prompt)
+    ref = _reference_logprobs(live.engine, ids)[-1]
+    forced = int(ref.argsort()[len(ref) // 2])  # a token of middling likelihood
+    pieces = live.app.state.server.pieces
+    kw = dict(model=NAME, prompt=prompt, max_tokens=1, temperature=0, logit_bias={str(forced): 100})
+    for n in (0, 2):
+        lp = live.client.completions.create(logprobs=n, **kw).choices[0].logprobs
+        assert lp.tokens == [pieces.text(forced)]
+        assert lp.token_logprobs[0] == pytest.approx(ref[forced].item(), abs=1e-4)  # raw, not biased
+        top = lp.top_logprobs[0]
+        want = [live.engine.tokenizer.decode([i]) for i in ref.topk(n).indices.tolist()] + [
+            pieces.text(forced)
+        ]
+        assert list(top) == want and top[pieces.text(forced)] == pytest.approx(ref[forced].item(), abs=1e-4)
+    chat = live.client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=1,
+        temperature=0,
+        logit_bias={str(forced): 100},
+        logprobs=True,
+        top_logprobs=2,
+    )
+    entry = chat.choices[0].logprobs.content[0]
+    assert entry.token == pieces.text(forced) and entry.bytes == list(pieces.bytes(forced))
+    assert len(entry.top_logprobs) == 3 and entry.top_logprobs[-1].token == entry.token
+    assert entry.top_logprobs[-1].logprob == entry.logprob < entry.top_logprobs[1].logprob
+    no_top = live.client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=1,
+        logit_bias={str(forced): 100},
+        logprobs=True,
+        top_logprobs=0,
+    )
+    assert no_top.choices[0].logprobs.content[0].top_logprobs == []  # 0 lists none, as vLLM
+
+
+def _sentencepiece_model(folder: str) -> str:
+    """A tiny random Llama whose tokenizer is SentencePiece-style (as Llama 2 and Mistral):
+    Metaspace pre-tokenizer, byte-fallback Unigram, the '▁' -> ' ' decoder that strips the
+    sequence's first space, and a BOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from ringserve.tiny_models import make_hf_config, save_random_model
+
+    words = [
+        "\u2581Hello",
+        "\u2581world",
+        "\u2581the",
+        "\u2581cat",
+        "\u2581sat",
+        "\u2581on",
+        "\u2581",
+        "Hello",
+    ]
+    vocab = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)] + [(f"<0x{b:02X}>", -10.0) for b in range(256)]
+    vocab += [(w, -1.0) for w in words] + [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyzH"]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    config = make_hf_config("llama")
+    config.vocab_size = 320
+    save_random_model(config, folder)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(folder)
+    return folder
+
+
+def test_sentencepiece_tokens_keep_their_spaces_and_offsets(tmp_path):
+    """Legacy completions logprobs on a SentencePiece tokenizer: each token keeps its
+    word-initial space (decode([id]) drops it), and text_offset places every token in the
+    returned text, the echoed prompt's BOS and dummy-prefix space included."""
+    from starlette.testclient import TestClient
+
+    folder = _sentencepiece_model(str(tmp_path / "sp"))
+    engine = LLMEngine(folder, device="cpu", dtype="float32", engine_config=EngineConfig(num_blocks=32))
+    vocab = engine.tokenizer.get_vocab()
+    # generated tokens forced among whole words, so the text is known to be words and spaces
+    bias = {str(vocab[w]): 100 for w in ("\u2581the", "\u2581cat", "\u2581sat", "\u2581on")}
+    prompt = "Hello world \u4f60"  # 你: three byte-fallback tokens
+    with TestClient(build_app(engine, "sp")) as client:
+        body = dict(prompt=prompt, max_tokens=5, temperature=0, logprobs=1, logit_bias=bias, echo=True)
+        choice = client.post("/v1/completions", json=body).json()["choices"][0]
+        lp, text = choice["logprobs"], choice["text"]
+        assert text.startswith(prompt)
+        assert lp["tokens"][:7] == ["<s>", " Hello", " world", " ", "\ufffd", "\ufffd", "\ufffd"]
+        # BOS is not in the text; the dummy prefix before "Hello" neither; 你's pieces share its offset
+        assert lp["text_offset"][:7] == [0, 0, 5, 11, 12, 12, 12]
+        generated, offsets = lp["tokens"][7:], lp["text_offset"][7:]
+        assert len(generated) == 5 and all(t.startswith(" ") and t.strip() for t in generated)
+        assert "".join(generated) == text[len(prompt) :]
+        assert offsets == [len(prompt) + sum(map(len, generated[:i])) for i in range(5)]
+        for token, at in zip(generated, offsets):
+            assert text[at : at + len(token)] == token
+        # streamed, the chunks' offsets are the same
+        chunks = [
+            json.loads(line[6:])
+            for line in client.post("/v1/completions", json={**body, "stream": True}).text.split("\n\n")
+            if line.startswith("data: {")
+        ]
+        streamed = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+        assert streamed == lp["text_offset"]
+        # without echo the offsets count from the generated text's start
+        plain = client.post("/v1/completions", json={**body, "echo": False}).json()["choices"][0]
+        assert plain["logprobs"]["tokens"] == generated
+        assert plain["logprobs"]["text_offset"] == [o - len(prompt) for o in offsets]
 
 
 # Concurrency, disconnects, overload ---------------------------------------------------------

@@ -779,6 +779,94 @@ def testscrape_metrics(live):
     )
 
 
+def test_vllm_v1_request_metrics(live):
+    """The per-request histograms vLLM v1's dashboards read, the tokens per step, n, and the
+    engine (replica) label on the finished-request counter."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert _wait_idle(live)
+    before, computed = scrape_metrics(live), live.engine.num_computed_tokens
+    prompt = "The capital of France is"
+    live.client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    live.client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=3, temperature=0, n=2, extra_body={"ignore_eos": True}
+    )
+    after, computed = scrape_metrics(live), live.engine.num_computed_tokens - computed
+    prompt_len = len(live.engine.tokenize(prompt))
+    assert delta("vllm:request_prompt_tokens_count") == 3
+    assert delta("vllm:request_prompt_tokens_sum") == 3 * prompt_len
+    assert delta("vllm:request_generation_tokens_count") == 3
+    assert delta("vllm:request_generation_tokens_sum") == 5 + 3 + 3
+    for phase in ("prefill", "decode"):
+        assert delta(f"vllm:request_{phase}_time_seconds_count") == 3
+        assert delta(f"vllm:request_{phase}_time_seconds_sum") > 0
+    assert delta("vllm:iteration_tokens_total_sum") == computed > 0
+    assert 0 < delta("vllm:iteration_tokens_total_count") <= 5 + 3  # at most one step per token
+    assert delta("vllm:request_params_n_count") == 2 and delta("vllm:request_params_n_sum") == 1 + 2
+    assert delta("vllm:request_success_total") == 3
+    text = httpx.get(live.url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    success = [s for s in families["vllm:request_success"].samples if s.name.endswith("_total")]
+    assert success and all(s.labels["engine"] == "0" for s in success)
+    assert {s.labels["finished_reason"] for s in success} >= {"length"}
+    # the token-count buckets run 1, 2, 5, ... up to max_model_len, as vLLM's
+    bounds = [s.labels["le"] for s in families["vllm:request_prompt_tokens"].samples if "le" in s.labels]
+    assert bounds[:4] == ["1.0", "2.0", "5.0", "10.0"] and bounds[-2] == "500.0" and bounds[-1] == "+Inf"
+
+
+def test_model_route(live):
+    card = live.client.models.retrieve(NAME)
+    assert card.id == NAME and card.object == "model" and card.model_extra["max_model_len"] == MAX_MODEL_LEN
+    r = live.http.get("/v1/models/nope")
+    assert r.status_code == 404
+    assert r.json()["error"] == {
+        "message": "The model `nope` does not exist.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
+    with pytest.raises(openai.NotFoundError):
+        live.client.models.retrieve("nope")
+
+
+def test_several_served_model_names(tiny_model_dir, monkeypatch):
+    """--served-model-name a b: /v1/models lists both, a request may name either (or none),
+    responses and metrics carry the first, as vLLM's."""
+    import ringserve.server
+    from ringserve.cli import main
+
+    seen = {}
+    monkeypatch.setattr(
+        ringserve.server, "run_server", lambda engine, names, *a, **k: seen.setdefault("names", names)
+    )
+    assert main(["serve", "--device", "cpu", "--served-model-name", "first", "org/second"]) == [
+        "first",
+        "org/second",
+    ]
+    assert seen["names"] == ["first", "org/second"]
+
+    engine = LLMEngine(
+        tiny_model_dir("llama"), device="cpu", dtype="float32", engine_config=EngineConfig(num_blocks=32)
+    )
+    names = ["first", "org/second"]
+    with serve_in_thread(build_app(engine, names)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == names
+        assert [client.models.retrieve(name).id for name in names] == names  # a name with a slash too
+        for name in (*names, None):
+            body = {"prompt": [1, 2, 3], "max_tokens": 2, **({"model": name} if name else {})}
+            out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+            assert out["model"] == "first" and len(out["choices"]) == 1
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="third", prompt=[1, 2, 3], max_tokens=2)
+        assert 'model_name="first"' in httpx.get(url + "/metrics").text
+
+
 # The engine loop's failures, on a fake engine -----------------------------------------------
 
 

@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -142,9 +142,15 @@ class Server:
     """The app's state: the engine loop, the names, the metrics, the token strings.
     engine: an LLMEngine or a function that builds one (on the engine thread: AsyncEngine)."""
 
-    def __init__(self, engine, served_model_name: str, max_waiting: int, on_fatal=None):
-        self.model_name = served_model_name
-        self.metrics = Metrics(served_model_name)
+    def __init__(self, engine, served_model_name: str | Sequence[str], max_waiting: int, on_fatal=None):
+        # Several names (vLLM's --served-model-name a b): a request may name any, /v1/models
+        # lists them all, and responses and metrics carry the first, as vLLM's do.
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        if not names:
+            raise ValueError("at least one served model name is needed")
+        self.model_names = names
+        self.model_name = names[0]
+        self.metrics = Metrics(self.model_name)
         self.async_engine = AsyncEngine(engine, max_waiting, self.metrics, on_fatal)
         self._pieces: TokenPieces | None = None
 
@@ -156,7 +162,7 @@ class Server:
     # Helpers ---------------------------------------------------------------------------
 
     def check_request(self, body: P.SamplingFields) -> None:
-        if body.model is not None and body.model != self.model_name:
+        if body.model is not None and body.model not in self.model_names:
             raise ApiError(404, f"The model `{body.model}` does not exist.", "model")
         if body.stream_options is not None and not body.stream:  # as vLLM
             raise ApiError(400, "stream_options can only be set when stream is true", "stream_options")
@@ -282,7 +288,7 @@ class Server:
             for j in range(n):
                 params = self.params(body, max_tokens, body.logprobs, j, prompt_logprobs)
                 items.append((f"{request_id}-{i * n + j}", ids, params))
-        stream = self.submit(items)
+        stream = self.submit(items, n)
         echo = [texts[k // n] if body.echo else "" for k in range(len(items))]
 
         def first_extras(
@@ -440,7 +446,8 @@ class Server:
         created = int(time.time())
         n = body.n
         stream = self.submit(
-            [(f"{request_id}-{j}", token_ids, self.params(body, max_tokens, logprobs, j)) for j in range(n)]
+            [(f"{request_id}-{j}", token_ids, self.params(body, max_tokens, logprobs, j)) for j in range(n)],
+            n,
         )
 
         def logprobs_of(lps: list[TokenLogprob] | None) -> P.ChatLogprobs | None:
@@ -516,13 +523,17 @@ class Server:
 
     # Plumbing --------------------------------------------------------------------------
 
-    def submit(self, items):
+    def submit(self, items, n: int = 1):
+        """items: (request id, token ids, params) per choice, n choices per prompt."""
         try:
-            return self.async_engine.submit(items)
+            stream = self.async_engine.submit(items)
         except RequestError as e:  # too many choices for the waiting queue
             raise ApiError(400, str(e), "n") from None
         except RingserveError as e:
             raise ApiError(_status_of(e), str(e)) from None
+        for _ in range(len(items) // n):  # as vLLM: once per prompt
+            self.metrics.params_n.observe(n)
+        return stream
 
     async def collect(self, stream, request: Request):
         """Every request's final output and its logprobs, by index; None if the client left."""
@@ -612,7 +623,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> P.Usage:
 
 def build_app(
     engine,
-    served_model_name: str,
+    served_model_name: str | Sequence[str],
     api_key: str | None = None,
     max_waiting: int = 1024,
     on_fatal: Callable[[BaseException], None] | None = None,
@@ -707,11 +718,20 @@ def build_app(
     async def chat(body: P.ChatCompletionRequest, request: Request):
         return await server.chat(body, request)
 
+    def card(name: str) -> P.ModelCard:
+        engine = server.engine
+        return P.ModelCard(id=name, root=engine.model_path, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models", response_model=P.ModelList, responses=V1_RESPONSES)
     async def models():
-        engine = server.engine
-        card = P.ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
-        return P.ModelList(data=[card])
+        return P.ModelList(data=[card(name) for name in server.model_names])
+
+    @app.get("/v1/models/{model_id:path}", response_model=P.ModelCard, responses=V1_RESPONSES)
+    async def model(model_id: str):
+        # :path: a name may hold slashes ("meta-llama/Llama-3.1-8B-Instruct", as vLLM serves by default)
+        if model_id not in server.model_names:
+            raise ApiError(404, f"The model `{model_id}` does not exist.", "model")
+        return card(model_id)
 
     @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
     async def health():
@@ -754,7 +774,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 def run_server(
     engine,
-    served_model_name: str,
+    served_model_name: str | Sequence[str],
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,

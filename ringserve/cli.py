@@ -167,7 +167,11 @@ def _add_serve_parser(sub) -> None:
         help="log each HTTP request as one JSON line (method, path, status, duration, client); default off",
     )
     serve.add_argument(
-        "--served-model-name", default=None, help="the model's name in the API (default: MODEL as given)"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the model's name(s) in the API: a request may name any, /v1/models lists them all, "
+        "responses carry the first (default: MODEL as given)",
     )
     serve.add_argument(
         "--max-waiting", type=int, default=1024, help="requests waiting for their first token; beyond: 503"
@@ -205,7 +209,7 @@ def _serve(args) -> int:
     except OptionError as e:
         print(f"error: {cli_error(e)}", file=sys.stderr)
         return 2
-    name = args.served_model_name or options.model or "SmolLM2-135M-Instruct"
+    names = args.served_model_name or [options.model or "SmolLM2-135M-Instruct"]
     log_level = "debug" if getattr(args, "verbose", 0) > 1 else "info"
     if args.access_log:  # its own handler: the JSON lines show whatever the log level
         access = logging.getLogger("ringserve.access")
@@ -216,7 +220,7 @@ def _serve(args) -> int:
     # steps it must be the one that ran its first torch ops: ringserve/server/async_engine.py).
     return run_server(
         options.create_engine,
-        name,
+        names,
         args.host,
         args.port,
         args.api_key,

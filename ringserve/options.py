@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,8 +37,10 @@ class OptionError(RingserveError, ValueError):
 
 
 def _opt(default, help: str, **meta) -> Any:
-    """A field with its help text; meta: cli_flags (the flags, when not --field-name),
-    cli_negative (extra flags that set a bool to False), choices."""
+    """A field with its help text; meta: cli_flags (the flags, when not --field-name; the
+    first is the main one, the others vLLM's names for it), cli_negative (extra flags that
+    set a bool to False), cli_all_ranks (a switch that sets the option to every rank of the
+    layout, tp x cp x dp), cli_type ("human_int": 32k / 32K), choices."""
     return field(default=default, metadata={"help": help, **meta})
 
 
@@ -56,18 +59,21 @@ class EngineOptions:
         "auto", "float32, bfloat16, float16, or auto (the checkpoint's own)", choices=("auto", *DTYPES)
     )
     # Parallelism (ParallelConfig).
-    tp: int = _opt(1, "tensor-parallel ranks")
+    tp: int = _opt(1, "tensor-parallel ranks", cli_flags=("--tp", "-tp", "--tensor-parallel-size"))
     cp: int = _opt(1, "context-parallel ranks")
     dp: int | None = _opt(
         None,
         "data-parallel replicas, each tp x cp ranks with its own requests, scheduler and KV "
         "cache; requests go to the least loaded (default: ep / (tp x cp) when ep needs more "
         "ranks than tp x cp, else 1)",
+        cli_flags=("--dp", "-dp", "--data-parallel-size"),
     )
     ep: int = _opt(
         1,
         "expert-parallel ranks (MoE models): tp, cp, dp or a product of them (ep over dp: "
         "attention data-parallel, experts over the replicas)",
+        # vLLM's switch: the experts spread over every rank of the layout
+        cli_all_ranks="--enable-expert-parallel",
     )
     ranks_per_host: int | None = _opt(
         None,
@@ -99,7 +105,10 @@ class EngineOptions:
         0.9, "share of the GPU's free memory (after the weights) the KV cache may take, in (0, 1]"
     )
     max_model_len: int | None = _opt(
-        None, "longest sequence (prompt + output) in tokens; default: the model's context"
+        None,
+        "longest sequence (prompt + output) in tokens; on the command line 32k is 32000 and "
+        "32K is 32768, as vLLM reads them; default: the model's context",
+        cli_type="human_int",
     )
     max_num_batched_tokens: int = _opt(
         2048,
@@ -314,6 +323,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                 help="turn off: " + help,
             )
             continue
+        if "cli_all_ranks" in f.metadata:
+            group.add_argument(
+                f.metadata["cli_all_ranks"],
+                dest=f.name,
+                action="store_const",
+                const=_ALL_RANKS,
+                default=argparse.SUPPRESS,
+                help=f"{f.name} = tp x cp x dp: every rank of the layout (vLLM's flag)",
+            )
+        if f.metadata.get("cli_type") == "human_int":
+            kind = human_readable_int
         kwargs = {"dest": f.name, "type": kind, "default": argparse.SUPPRESS}
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
@@ -327,7 +347,40 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def from_cli_args(args: argparse.Namespace) -> EngineOptions:
     """The options a parsed command line gives; an invalid value raises OptionError."""
     given = {name: getattr(args, name) for name in field_names() if hasattr(args, name)}
+    for name, value in given.items():
+        if value is _ALL_RANKS:
+            given[name] = given.get("tp", 1) * given.get("cp", 1) * (given.get("dp") or 1)
     return EngineOptions(**given)
+
+
+class _AllRanks:
+    """What a cli_all_ranks switch stores until the layout's sizes are all read."""
+
+    def __repr__(self) -> str:
+        return "all ranks"
+
+
+_ALL_RANKS = _AllRanks()
+
+
+def human_readable_int(value: str) -> int:
+    """An integer as vLLM's flags read it: 32k (lowercase: decimal, 32000; 1.5k is 1500),
+    32K (uppercase: binary, 32768), 2m / 2M, 1g / 1G, 1t / 1T, or plain digits."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value.strip())
+    if not match:
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer: {value!r} (e.g. 32768, 32k, 32K)") from None
+    number, suffix = match.groups()
+    power = "kmgt".index(suffix.lower()) + 1
+    if suffix.islower():
+        return int(float(number) * 1000**power)
+    if "." in number:  # as vLLM: 1.5K is no whole number of binary units
+        raise argparse.ArgumentTypeError(
+            f"decimals need a decimal suffix: {value!r} (did you mean {number}{suffix.lower()}?)"
+        )
+    return int(number) * 1024**power
 
 
 def cli_error(e: OptionError) -> str:

@@ -352,3 +352,36 @@ def test_bad_flag_exits_2_with_one_error_line():
     assert run.stderr.strip() == (
         "error: argument --block-size: block_size must be a positive integer (>= 1), got 0"
     )
+
+
+# vLLM's names for the same options ---------------------------------------------------------
+
+
+def test_vllm_flag_names_are_the_same_options():
+    """`vllm serve` command lines work: vLLM's flag names are aliases of ringserve's options
+    (one definition each), --enable-expert-parallel spreads the experts over every rank, and
+    --max-model-len takes vLLM's k (1000) / K (1024) suffixes."""
+    import argparse
+
+    parser = add_cli_args(argparse.ArgumentParser())
+
+    def parsed(*argv):
+        return from_cli_args(parser.parse_args(list(argv)))
+
+    assert parsed("-tp", "2", "-dp", "3") == parsed(
+        "--tensor-parallel-size", "2", "--data-parallel-size", "3"
+    )
+    assert parsed("-tp", "2", "-dp", "3") == EngineOptions(tp=2, dp=3)
+    assert parsed("--enable-expert-parallel").ep == 1
+    assert parsed("-tp", "2", "--enable-expert-parallel", "-dp", "2") == EngineOptions(tp=2, dp=2, ep=4)
+    assert parsed("--tp", "2", "--cp", "2", "--enable-expert-parallel") == EngineOptions(tp=2, cp=2, ep=4)
+    for given, value in (("32k", 32000), ("32K", 32768), ("1.5k", 1500), ("2M", 2 * 2**20), ("4096", 4096)):
+        assert parsed("--max-model-len", given).max_model_len == value, given
+
+
+@pytest.mark.parametrize("value", ["1.5K", "12x", "k"])
+def test_bad_human_readable_length_is_an_error_line(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "hi", "--max-model-len", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--max-model-len" in err and "Traceback" not in err

@@ -228,12 +228,15 @@ def test_echo_with_logprobs_scores_the_prompt(live):
         assert lp.tokens == texts and lp.text_offset == _offsets(texts)
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+        # the likeliest token, then the prompt's own when it is not the likeliest (as vLLM)
         assert [list(top) for top in lp.top_logprobs[1:]] == [
-            [_token_text(live, i)] for i in best_ids.tolist()
+            [_token_text(live, b)] + ([_token_text(live, t)] if t != b else [])
+            for b, t in zip(best_ids.tolist(), ids[1:])
         ]
-        assert [v for top in lp.top_logprobs[1:] for v in top.values()] == pytest.approx(
+        assert [list(top.values())[0] for top in lp.top_logprobs[1:]] == pytest.approx(
             best_values.tolist(), abs=1e-4
         )
+        assert [top[tok] for tok, top in zip(texts[1:], lp.top_logprobs[1:])] == pytest.approx(want, abs=1e-4)
     # With generated tokens (lm-eval sends max_tokens=1): the prompt's entries, then the
     # generated ones as a plain logprobs request gives them; streamed chunks add up to it.
     kw = dict(model=NAME, prompt=prompt, max_tokens=2, temperature=0, logprobs=1)
@@ -269,6 +272,164 @@ def test_vllm_prompt_logprobs_field(live):
         for rank, (t, v) in enumerate(zip(top.tolist(), values.tolist()), start=1):
             assert entry[str(t)]["rank"] == rank and entry[str(t)]["logprob"] == pytest.approx(v, abs=1e-4)
         assert len(entry) == len({*top.tolist(), ids[i + 1]})
+
+
+def test_chat_logprobs_bytes_rebuild_emoji_and_cjk(live):
+    """Each content entry carries its token's own bytes: a character split over tokens (an
+    emoji, CJK in byte-level BPE) is rebuilt from them, streamed or not."""
+    pieces_split = 0
+    for question in ("Reply with three emoji.", "Write the word 'hello' in Chinese characters."):
+        kw = dict(
+            model=NAME,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=24,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+        )
+        out = live.client.chat.completions.create(**kw)
+        text, content = out.choices[0].message.content, out.choices[0].logprobs.content
+        assert any(ord(c) > 0x2E80 for c in text), text  # the answer holds CJK or emoji
+        stopped = out.choices[0].finish_reason == "stop"
+        if stopped:  # the end-of-turn token is listed (as vLLM lists it) but is not in the text
+            assert content[-1].token == "<|im_end|>"
+            content = content[:-1]
+        assert bytes(b for c in content for b in c.bytes).decode() == text
+        for c in content:
+            try:
+                assert bytes(c.bytes).decode() == c.token
+            except UnicodeDecodeError:  # a piece of a character: its text alone is U+FFFD
+                pieces_split += 1
+                assert c.token.strip(" ") and set(c.token.strip(" ")) == {"\ufffd"}
+            # the likeliest token at each greedy step is the chosen one, with its bytes
+            assert c.top_logprobs[0].bytes == c.bytes and c.top_logprobs[0].token == c.token
+            assert len(c.top_logprobs) == 2
+        streamed = live.client.chat.completions.create(stream=True, **kw)
+        chunks = [
+            c
+            for chunk in streamed
+            if chunk.choices and chunk.choices[0].logprobs
+            for c in chunk.choices[0].logprobs.content
+        ]
+        assert bytes(b for c in chunks[: len(content)] for b in c.bytes).decode() == text
+    assert pieces_split  # the check above met split characters
+
+
+def test_chosen_token_outside_top_n_is_listed(live):
+    """A forced token (logit_bias) far down the model's ranking is still in top_logprobs,
+    after the N likeliest (N + 1 entries), with its raw log-probability, as vLLM."""
+    prompt = "The capital of France is"
+    ids = live.engine.tokenize(prompt)
+    ref = _reference_logprobs(live.engine, ids)[-1]
+    forced = int(ref.argsort()[len(ref) // 2])  # a token of middling likelihood
+    pieces = live.app.state.server.pieces
+    kw = dict(model=NAME, prompt=prompt, max_tokens=1, temperature=0, logit_bias={str(forced): 100})
+    for n in (0, 2):
+        lp = live.client.completions.create(logprobs=n, **kw).choices[0].logprobs
+        assert lp.tokens == [pieces.text(forced)]
+        assert lp.token_logprobs[0] == pytest.approx(ref[forced].item(), abs=1e-4)  # raw, not biased
+        top = lp.top_logprobs[0]
+        want = [live.engine.tokenizer.decode([i]) for i in ref.topk(n).indices.tolist()] + [
+            pieces.text(forced)
+        ]
+        assert list(top) == want and top[pieces.text(forced)] == pytest.approx(ref[forced].item(), abs=1e-4)
+    chat = live.client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=1,
+        temperature=0,
+        logit_bias={str(forced): 100},
+        logprobs=True,
+        top_logprobs=2,
+    )
+    entry = chat.choices[0].logprobs.content[0]
+    assert entry.token == pieces.text(forced) and entry.bytes == list(pieces.bytes(forced))
+    assert len(entry.top_logprobs) == 3 and entry.top_logprobs[-1].token == entry.token
+    assert entry.top_logprobs[-1].logprob == entry.logprob < entry.top_logprobs[1].logprob
+    no_top = live.client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=1,
+        logit_bias={str(forced): 100},
+        logprobs=True,
+        top_logprobs=0,
+    )
+    assert no_top.choices[0].logprobs.content[0].top_logprobs == []  # 0 lists none, as vLLM
+
+
+def _sentencepiece_model(folder: str) -> str:
+    """A tiny random Llama whose tokenizer is SentencePiece-style (as Llama 2 and Mistral):
+    Metaspace pre-tokenizer, byte-fallback Unigram, the '▁' -> ' ' decoder that strips the
+    sequence's first space, and a BOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from ringserve.tiny_models import make_hf_config, save_random_model
+
+    words = [
+        "\u2581Hello",
+        "\u2581world",
+        "\u2581the",
+        "\u2581cat",
+        "\u2581sat",
+        "\u2581on",
+        "\u2581",
+        "Hello",
+    ]
+    vocab = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)] + [(f"<0x{b:02X}>", -10.0) for b in range(256)]
+    vocab += [(w, -1.0) for w in words] + [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyzH"]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    config = make_hf_config("llama")
+    config.vocab_size = 320
+    save_random_model(config, folder)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(folder)
+    return folder
+
+
+def test_sentencepiece_tokens_keep_their_spaces_and_offsets(tmp_path):
+    """Legacy completions logprobs on a SentencePiece tokenizer: each token keeps its
+    word-initial space (decode([id]) drops it), and text_offset places every token in the
+    returned text, the echoed prompt's BOS and dummy-prefix space included."""
+    from starlette.testclient import TestClient
+
+    folder = _sentencepiece_model(str(tmp_path / "sp"))
+    engine = LLMEngine(folder, device="cpu", dtype="float32", engine_config=EngineConfig(num_blocks=32))
+    vocab = engine.tokenizer.get_vocab()
+    # generated tokens forced among whole words, so the text is known to be words and spaces
+    bias = {str(vocab[w]): 100 for w in ("\u2581the", "\u2581cat", "\u2581sat", "\u2581on")}
+    prompt = "Hello world \u4f60"  # 你: three byte-fallback tokens
+    with TestClient(build_app(engine, "sp")) as client:
+        body = dict(prompt=prompt, max_tokens=5, temperature=0, logprobs=1, logit_bias=bias, echo=True)
+        choice = client.post("/v1/completions", json=body).json()["choices"][0]
+        lp, text = choice["logprobs"], choice["text"]
+        assert text.startswith(prompt)
+        assert lp["tokens"][:7] == ["<s>", " Hello", " world", " ", "\ufffd", "\ufffd", "\ufffd"]
+        # BOS is not in the text; the dummy prefix before "Hello" neither; 你's pieces share its offset
+        assert lp["text_offset"][:7] == [0, 0, 5, 11, 12, 12, 12]
+        generated, offsets = lp["tokens"][7:], lp["text_offset"][7:]
+        assert len(generated) == 5 and all(t.startswith(" ") and t.strip() for t in generated)
+        assert "".join(generated) == text[len(prompt) :]
+        assert offsets == [len(prompt) + sum(map(len, generated[:i])) for i in range(5)]
+        for token, at in zip(generated, offsets):
+            assert text[at : at + len(token)] == token
+        # streamed, the chunks' offsets are the same
+        chunks = [
+            json.loads(line[6:])
+            for line in client.post("/v1/completions", json={**body, "stream": True}).text.split("\n\n")
+            if line.startswith("data: {")
+        ]
+        streamed = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+        assert streamed == lp["text_offset"]
+        # without echo the offsets count from the generated text's start
+        plain = client.post("/v1/completions", json={**body, "echo": False}).json()["choices"][0]
+        assert plain["logprobs"]["tokens"] == generated
+        assert plain["logprobs"]["text_offset"] == [o - len(prompt) for o in offsets]
 
 
 # Concurrency, disconnects, overload ---------------------------------------------------------
@@ -616,6 +777,94 @@ def testscrape_metrics(live):
         - before.get("vllm:inter_token_latency_seconds_count", 0)
         == 8
     )
+
+
+def test_vllm_v1_request_metrics(live):
+    """The per-request histograms vLLM v1's dashboards read, the tokens per step, n, and the
+    engine (replica) label on the finished-request counter."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert _wait_idle(live)
+    before, computed = scrape_metrics(live), live.engine.num_computed_tokens
+    prompt = "The capital of France is"
+    live.client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    live.client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=3, temperature=0, n=2, extra_body={"ignore_eos": True}
+    )
+    after, computed = scrape_metrics(live), live.engine.num_computed_tokens - computed
+    prompt_len = len(live.engine.tokenize(prompt))
+    assert delta("vllm:request_prompt_tokens_count") == 3
+    assert delta("vllm:request_prompt_tokens_sum") == 3 * prompt_len
+    assert delta("vllm:request_generation_tokens_count") == 3
+    assert delta("vllm:request_generation_tokens_sum") == 5 + 3 + 3
+    for phase in ("prefill", "decode"):
+        assert delta(f"vllm:request_{phase}_time_seconds_count") == 3
+        assert delta(f"vllm:request_{phase}_time_seconds_sum") > 0
+    assert delta("vllm:iteration_tokens_total_sum") == computed > 0
+    assert 0 < delta("vllm:iteration_tokens_total_count") <= 5 + 3  # at most one step per token
+    assert delta("vllm:request_params_n_count") == 2 and delta("vllm:request_params_n_sum") == 1 + 2
+    assert delta("vllm:request_success_total") == 3
+    text = httpx.get(live.url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    success = [s for s in families["vllm:request_success"].samples if s.name.endswith("_total")]
+    assert success and all(s.labels["engine"] == "0" for s in success)
+    assert {s.labels["finished_reason"] for s in success} >= {"length"}
+    # the token-count buckets run 1, 2, 5, ... up to max_model_len, as vLLM's
+    bounds = [s.labels["le"] for s in families["vllm:request_prompt_tokens"].samples if "le" in s.labels]
+    assert bounds[:4] == ["1.0", "2.0", "5.0", "10.0"] and bounds[-2] == "500.0" and bounds[-1] == "+Inf"
+
+
+def test_model_route(live):
+    card = live.client.models.retrieve(NAME)
+    assert card.id == NAME and card.object == "model" and card.model_extra["max_model_len"] == MAX_MODEL_LEN
+    r = live.http.get("/v1/models/nope")
+    assert r.status_code == 404
+    assert r.json()["error"] == {
+        "message": "The model `nope` does not exist.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
+    with pytest.raises(openai.NotFoundError):
+        live.client.models.retrieve("nope")
+
+
+def test_several_served_model_names(tiny_model_dir, monkeypatch):
+    """--served-model-name a b: /v1/models lists both, a request may name either (or none),
+    responses and metrics carry the first, as vLLM's."""
+    import ringserve.server
+    from ringserve.cli import main
+
+    seen = {}
+    monkeypatch.setattr(
+        ringserve.server, "run_server", lambda engine, names, *a, **k: seen.setdefault("names", names)
+    )
+    assert main(["serve", "--device", "cpu", "--served-model-name", "first", "org/second"]) == [
+        "first",
+        "org/second",
+    ]
+    assert seen["names"] == ["first", "org/second"]
+
+    engine = LLMEngine(
+        tiny_model_dir("llama"), device="cpu", dtype="float32", engine_config=EngineConfig(num_blocks=32)
+    )
+    names = ["first", "org/second"]
+    with serve_in_thread(build_app(engine, names)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == names
+        assert [client.models.retrieve(name).id for name in names] == names  # a name with a slash too
+        for name in (*names, None):
+            body = {"prompt": [1, 2, 3], "max_tokens": 2, **({"model": name} if name else {})}
+            out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+            assert out["model"] == "first" and len(out["choices"]) == 1
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="third", prompt=[1, 2, 3], max_tokens=2)
+        assert 'model_name="first"' in httpx.get(url + "/metrics").text
 
 
 # The engine loop's failures, on a fake engine -----------------------------------------------

@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,6 +37,7 @@ from ringserve.server.openapi import (
     generation_responses,
     list_stream_chunks,
 )
+from ringserve.server.token_pieces import OffsetCounter, TokenPieces
 
 logger = logging.getLogger(__name__)
 
@@ -141,11 +142,17 @@ class Server:
     """The app's state: the engine loop, the names, the metrics, the token strings.
     engine: an LLMEngine or a function that builds one (on the engine thread: AsyncEngine)."""
 
-    def __init__(self, engine, served_model_name: str, max_waiting: int, on_fatal=None):
-        self.model_name = served_model_name
-        self.metrics = Metrics(served_model_name)
+    def __init__(self, engine, served_model_name: str | Sequence[str], max_waiting: int, on_fatal=None):
+        # Several names (vLLM's --served-model-name a b): a request may name any, /v1/models
+        # lists them all, and responses and metrics carry the first, as vLLM's do.
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        if not names:
+            raise ValueError("at least one served model name is needed")
+        self.model_names = names
+        self.model_name = names[0]
+        self.metrics = Metrics(self.model_name)
         self.async_engine = AsyncEngine(engine, max_waiting, self.metrics, on_fatal)
-        self._token_text: dict[int, str] = {}
+        self._pieces: TokenPieces | None = None
 
     @property
     def engine(self):
@@ -155,18 +162,20 @@ class Server:
     # Helpers ---------------------------------------------------------------------------
 
     def check_request(self, body: P.SamplingFields) -> None:
-        if body.model is not None and body.model != self.model_name:
+        if body.model is not None and body.model not in self.model_names:
             raise ApiError(404, f"The model `{body.model}` does not exist.", "model")
         if body.stream_options is not None and not body.stream:  # as vLLM
             raise ApiError(400, "stream_options can only be set when stream is true", "stream_options")
 
+    @property
+    def pieces(self) -> TokenPieces:
+        """Each token's own bytes and text (made once the engine, and its tokenizer, are built)."""
+        if self._pieces is None:
+            self._pieces = TokenPieces(self.engine.tokenizer)
+        return self._pieces
+
     def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            tok = self.engine.tokenizer
-            text = tok.decode([token_id]) if tok is not None else f"token_id:{token_id}"
-            self._token_text[token_id] = text
-        return text
+        return self.pieces.text(token_id)
 
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
@@ -319,32 +328,38 @@ class Server:
             for j in range(n):
                 params = self.params(body, max_tokens, body.logprobs, j, prompt_logprobs, structure)
                 items.append((f"{request_id}-{i * n + j}", ids, params))
-        stream = self.submit(items)
+        stream = self.submit(items, n)
         echo = [texts[k // n] if body.echo else "" for k in range(len(items))]
 
-        def first_extras(out: RequestOutput) -> tuple[P.CompletionLogprobs | None, int, list | None]:
-            """A choice's logprobs of its echoed prompt (legacy shape) with the text offset
-            after them, and vLLM's prompt_logprobs."""
-            lp, offset = None, 0
+        def first_extras(
+            out: RequestOutput, index: int
+        ) -> tuple[P.CompletionLogprobs | None, OffsetCounter, list | None]:
+            """A choice's logprobs of its echoed prompt (legacy shape), the counter of its
+            generated tokens' text offsets (they start after the echoed text), and vLLM's
+            prompt_logprobs."""
+            lp, skip = None, body.skip_special_tokens
+            counter = self.pieces.counter(len(echo[index]), skip)
             if body.logprobs is not None:
                 lp = P.CompletionLogprobs()
                 if body.echo:
-                    offset = self.add_logprobs(
-                        lp, out.prompt_token_ids, out.prompt_logprobs, body.logprobs, 0
+                    # the echoed text is the prompt as given: its tokens are placed in it
+                    offsets = self.pieces.align(echo[index], out.prompt_token_ids)
+                    self.add_logprobs(
+                        lp, out.prompt_token_ids, out.prompt_logprobs, body.logprobs, iter(offsets)
                     )
             vllm = None
             if body.prompt_logprobs is not None:
                 vllm = self.vllm_prompt_logprobs(
                     out.prompt_token_ids, out.prompt_logprobs, body.prompt_logprobs
                 )
-            return lp, offset, vllm
+            return lp, counter, vllm
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def chunks() -> AsyncIterator[str]:
                 started = [False] * len(items)
-                offsets = [0] * len(items)  # each choice's text offset after its listed tokens
+                counters: list[OffsetCounter | None] = [None] * len(items)  # each choice's text offsets
                 completion_tokens = 0
                 async for index, out in self.async_engine.results(stream):
                     completion_tokens += len(out.new_token_ids)
@@ -353,10 +368,10 @@ class Server:
                     if not started[index]:
                         started[index] = True
                         text = echo[index] + text
-                        lp, offsets[index], vllm = first_extras(out)
+                        lp, counters[index], vllm = first_extras(out, index)
                     if lp is not None:
-                        offsets[index] = self.add_logprobs(
-                            lp, out.new_token_ids, out.new_logprobs, body.logprobs, offsets[index]
+                        self.add_logprobs(
+                            lp, out.new_token_ids, out.new_logprobs, body.logprobs, counters[index]
                         )
                     choice = P.CompletionChoice(
                         index=index,
@@ -384,9 +399,9 @@ class Server:
         completion_tokens = 0
         for index, (out, lps) in sorted(finals.items()):
             completion_tokens += len(out.token_ids)
-            lp, offset, vllm = first_extras(out)
+            lp, counter, vllm = first_extras(out, index)
             if lp is not None:
-                self.add_logprobs(lp, out.token_ids, lps, body.logprobs, offset)
+                self.add_logprobs(lp, out.token_ids, lps, body.logprobs, counter)
             choices.append(
                 P.CompletionChoice(
                     index=index,
@@ -411,21 +426,24 @@ class Server:
         token_ids: list[int],
         logprobs: list[TokenLogprob | None] | None,
         num_top: int,
-        offset: int,
-    ) -> int:
-        """Append tokens to a legacy completions logprobs object, the first at text offset
-        `offset`; returns the offset after them. Offsets count the characters of the tokens
-        listed before (from 0, echoed prompt tokens included, as vLLM). A None entry (the
+        offsets: OffsetCounter | Iterator[int],
+    ) -> None:
+        """Append tokens to a legacy completions logprobs object. offsets: the tokens' text
+        offsets (characters of the choice's text before each, echoed prompt included), or
+        the counter that makes them from the tokens. Each token is its own text, its
+        word-initial space kept. top_logprobs holds the num_top likeliest and the chosen
+        token (num_top + 1 entries when it is not among them), as vLLM. A None entry (the
         first prompt token) has no logprob and no top_logprobs."""
         for token_id, entry in zip(token_ids, logprobs or [None] * len(token_ids)):
-            text = self.token_text(token_id)
-            lp.tokens.append(text)
-            lp.token_logprobs.append(None if entry is None else entry.logprob)
-            top = None if entry is None else {self.token_text(i): v for i, v in entry.top[:num_top]}
+            lp.tokens.append(self.token_text(token_id))
+            lp.token_logprobs.append(None if entry is None else _finite(entry.logprob))
+            top = None
+            if entry is not None:
+                top = {self.token_text(i): _finite(v) for i, v in _with_chosen(entry, num_top)}
             lp.top_logprobs.append(top)
-            lp.text_offset.append(offset)
-            offset += len(text)
-        return offset
+            lp.text_offset.append(
+                offsets.add(token_id) if isinstance(offsets, OffsetCounter) else next(offsets)
+            )
 
     def vllm_prompt_logprobs(
         self, token_ids: list[int], logprobs: list[TokenLogprob | None], num_top: int
@@ -476,24 +494,28 @@ class Server:
                     self.params(body, max_tokens, logprobs, j, structured_outputs=structure),
                 )
                 for j in range(n)
-            ]
+            ],
+            n,
         )
 
         def logprobs_of(lps: list[TokenLogprob] | None) -> P.ChatLogprobs | None:
             if logprobs is None:
                 return None
+            pieces = self.pieces
+
+            def entry(token_id: int, value: float) -> dict:
+                # bytes: the token's own, so a character split over tokens is rebuilt
+                # from its pieces (its text alone is U+FFFD)
+                return dict(
+                    token=pieces.text(token_id), logprob=_finite(value), bytes=list(pieces.bytes(token_id))
+                )
+
             content = []
             for t in lps or []:
-                text = self.token_text(t.token_id)
-                top = [
-                    P.TopLogprob(token=s, logprob=v, bytes=list(s.encode()))
-                    for s, v in ((self.token_text(i), v) for i, v in t.top)
-                ]
-                content.append(
-                    P.ChatTokenLogprob(
-                        token=text, logprob=t.logprob, bytes=list(text.encode()), top_logprobs=top
-                    )
-                )
+                # top_logprobs 0 lists none (as vLLM and OpenAI); otherwise the chosen token
+                # is listed after the likeliest when it is not among them
+                top = [P.TopLogprob(**entry(i, v)) for i, v in _with_chosen(t, logprobs)] if logprobs else []
+                content.append(P.ChatTokenLogprob(**entry(t.token_id, t.logprob), top_logprobs=top))
             return P.ChatLogprobs(content=content)
 
         if body.stream:
@@ -549,13 +571,17 @@ class Server:
 
     # Plumbing --------------------------------------------------------------------------
 
-    def submit(self, items):
+    def submit(self, items, n: int = 1):
+        """items: (request id, token ids, params) per choice, n choices per prompt."""
         try:
-            return self.async_engine.submit(items)
+            stream = self.async_engine.submit(items)
         except RequestError as e:  # too many choices for the waiting queue
             raise ApiError(400, str(e), "n") from None
         except RingserveError as e:
             raise ApiError(_status_of(e), str(e)) from None
+        for _ in range(len(items) // n):  # as vLLM: once per prompt
+            self.metrics.params_n.observe(n)
+        return stream
 
     async def collect(self, stream, request: Request):
         """Every request's final output and its logprobs, by index; None if the client left."""
@@ -621,6 +647,20 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
+def _with_chosen(entry: TokenLogprob, num_top: int) -> list[tuple[int, float]]:
+    """The num_top likeliest (token id, logprob), then the chosen token when it is not among
+    them, as vLLM lists a position's top logprobs (num_top + 1 entries then)."""
+    top = entry.top[:num_top]
+    if all(i != entry.token_id for i, _ in top):
+        top = [*top, (entry.token_id, entry.logprob)]
+    return top
+
+
+def _finite(logprob: float) -> float:
+    """-inf (a token the model rules out) as -9999.0, OpenAI's value for it, as vLLM: JSON has no inf."""
+    return max(logprob, -9999.0)
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> P.Usage:
     return P.Usage(
         prompt_tokens=prompt_tokens,
@@ -631,7 +671,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> P.Usage:
 
 def build_app(
     engine,
-    served_model_name: str,
+    served_model_name: str | Sequence[str],
     api_key: str | None = None,
     max_waiting: int = 1024,
     on_fatal: Callable[[BaseException], None] | None = None,
@@ -726,11 +766,20 @@ def build_app(
     async def chat(body: P.ChatCompletionRequest, request: Request):
         return await server.chat(body, request)
 
+    def card(name: str) -> P.ModelCard:
+        engine = server.engine
+        return P.ModelCard(id=name, root=engine.model_path, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models", response_model=P.ModelList, responses=V1_RESPONSES)
     async def models():
-        engine = server.engine
-        card = P.ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
-        return P.ModelList(data=[card])
+        return P.ModelList(data=[card(name) for name in server.model_names])
+
+    @app.get("/v1/models/{model_id:path}", response_model=P.ModelCard, responses=V1_RESPONSES)
+    async def model(model_id: str):
+        # :path: a name may hold slashes ("meta-llama/Llama-3.1-8B-Instruct", as vLLM serves by default)
+        if model_id not in server.model_names:
+            raise ApiError(404, f"The model `{model_id}` does not exist.", "model")
+        return card(model_id)
 
     @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
     async def health():
@@ -773,7 +822,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 def run_server(
     engine,
-    served_model_name: str,
+    served_model_name: str | Sequence[str],
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,

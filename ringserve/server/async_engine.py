@@ -65,7 +65,10 @@ class _Timing:  # engine-thread side, for the metrics
     arrival: float
     num_prompt_tokens: int
     scheduled: bool = False
+    scheduled_at: float | None = None  # the start of its first step: its prefill starts
+    first_token: float | None = None
     last_token: float | None = None
+    replica: int = 0  # the data-parallel replica serving it (the metrics' engine label)
 
 
 class AsyncEngine:
@@ -98,6 +101,7 @@ class AsyncEngine:
         self._stopping = False
         # Engine counters already added to the metrics (preemptions per replica).
         self._seen_preemptions: dict[int, int] = {}
+        self._seen_computed = 0  # the engine's computed tokens already observed per step
         self._seen_cp: dict[str, int] = {}
 
     # Event-loop side ---------------------------------------------------------------------
@@ -245,6 +249,8 @@ class AsyncEngine:
             self._call(self._build_done, e)
             return
         self.engine = engine
+        if self.metrics is not None and getattr(engine, "max_model_len", None):
+            self.metrics.set_max_model_len(engine.max_model_len)
         self._call(self._build_done, None)
         timings: dict[str, _Timing] = {}
         try:
@@ -315,11 +321,17 @@ class AsyncEngine:
             return
         now = time.monotonic()
         engine = self.engine
+        # the tokens this step computed (prompt chunks and one per decoding sequence)
+        total = getattr(engine, "num_computed_tokens", 0)  # a test's stand-in engine may not count
+        computed, self._seen_computed = total - self._seen_computed, total
+        if computed > 0:
+            m.iteration_tokens.observe(computed)
         for rid, t in timings.items():  # first step that computed any of it: its queue time ends
             if not t.scheduled:
                 seq = engine.seqs.get(rid)
                 if seq is None or seq.num_computed_tokens > 0 or seq.output_token_ids:
-                    t.scheduled = True
+                    t.scheduled, t.scheduled_at = True, start
+                    t.replica = seq.replica if seq is not None else 0
                     m.queue_time.observe(max(0.0, start - t.arrival))
         for out in outputs:
             t = timings.get(out.request_id)
@@ -327,6 +339,7 @@ class AsyncEngine:
                 continue
             m.generation_tokens.inc(len(out.new_token_ids))
             if t.last_token is None:
+                t.first_token = now
                 m.ttft.observe(now - t.arrival)
                 m.prompt_tokens.inc(t.num_prompt_tokens)
                 m.prefix_queries.inc(t.num_prompt_tokens)
@@ -336,7 +349,17 @@ class AsyncEngine:
             t.last_token = now
             if out.finished:
                 m.e2e.observe(now - t.arrival)
-                m.request_success.labels(m.model_name, out.finish_reason or "stop").inc()
+                # as vLLM: prefill from the first step to the first token, decode from
+                # there to the last (none for a request that made no token)
+                first = t.first_token
+                m.finished(
+                    t.replica,
+                    out.finish_reason or "stop",
+                    t.num_prompt_tokens,
+                    len(out.token_ids),
+                    None if first is None or t.scheduled_at is None else max(0.0, first - t.scheduled_at),
+                    None if first is None else now - first,
+                )
                 timings.pop(out.request_id, None)
         self._update_gauges(timings)
 

@@ -6,6 +6,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 _REQUEST = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+# vLLM v1's buckets for the prefill and decode phases (longer requests than end-to-end's)
+_PHASE = (*_REQUEST, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_PARAMS_N = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to limit, as vLLM buckets a request's token counts."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 class Metrics:
@@ -59,18 +74,81 @@ class Metrics:
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in prompt tokens.")
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix-cache queries, in prompt tokens.")
-        self.request_success = Counter(
+        # per replica ("engine"), as vLLM v1 labels it
+        self._request_success = Counter(
             "vllm:request_success",
-            "Count of finished requests.",
-            ["model_name", "finished_reason"],
+            "Count of successfully processed requests.",
+            ["model_name", "engine", "finished_reason"],
             registry=r,
         )
+        self._prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            per_replica,
+            buckets=_PHASE,
+            registry=r,
+        )
+        self._decode_time = Histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            per_replica,
+            buckets=_PHASE,
+            registry=r,
+        )
+        self.iteration_tokens = hist(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", _ITERATION_TOKENS
+        )
+        self.params_n = hist("vllm:request_params_n", "Histogram of the n request parameter.", _PARAMS_N)
+        # bucketed up to the longest sequence, known once the engine is built (set_max_model_len)
+        self._request_prompt_tokens = self._request_generation_tokens = None
         self._cp_steps = Counter(
             "ringserve:cp_steps",
             "Context-parallel steps per ring algorithm.",
             ["model_name", "algo"],
             registry=r,
         )
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Make the token-count histograms, bucketed 1, 2, 5, 10, ... up to max_model_len as
+        vLLM's; called once the engine is built, before any request."""
+        if self._request_prompt_tokens is not None:
+            return
+        buckets = buckets_1_2_5(max_model_len)
+        labels = ["model_name", "engine"]
+        self._request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            labels,
+            buckets=buckets,
+            registry=self.registry,
+        )
+        self._request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            labels,
+            buckets=buckets,
+            registry=self.registry,
+        )
+
+    def finished(
+        self,
+        replica: int,
+        finish_reason: str,
+        prompt_tokens: int,
+        generation_tokens: int,
+        prefill_s: float | None,
+        decode_s: float | None,
+    ) -> None:
+        """A request that ended: its counts and phases, under its replica's engine label."""
+        engine = str(replica)
+        self._request_success.labels(self.model_name, engine, finish_reason).inc()
+        if self._request_prompt_tokens is not None:
+            self._request_prompt_tokens.labels(self.model_name, engine).observe(prompt_tokens)
+            self._request_generation_tokens.labels(self.model_name, engine).observe(generation_tokens)
+        if prefill_s is not None:
+            self._prefill_time.labels(self.model_name, engine).observe(prefill_s)
+        if decode_s is not None:
+            self._decode_time.labels(self.model_name, engine).observe(decode_s)
 
     def running(self, replica: int):
         return self._running.labels(self.model_name, str(replica))

@@ -34,7 +34,7 @@ from ringserve.server import build_app
 from ringserve.server.async_engine import AsyncEngine, EngineDeadError
 
 from conftest import KEY, MAX_MODEL_LEN, MAX_WAITING, NAME, scrape_metrics
-from helpers import serve_in_thread
+from helpers import prompts_of_lengths, serve_in_thread
 
 
 def _wait_idle(live, timeout=10.0):
@@ -269,6 +269,102 @@ def test_vllm_prompt_logprobs_field(live):
         for rank, (t, v) in enumerate(zip(top.tolist(), values.tolist()), start=1):
             assert entry[str(t)]["rank"] == rank and entry[str(t)]["logprob"] == pytest.approx(v, abs=1e-4)
         assert len(entry) == len({*top.tolist(), ids[i + 1]})
+
+
+def test_stream_without_include_usage_has_no_usage_chunk(live):
+    """stream_options absent, or include_usage false: no usage chunk at the end."""
+    messages = [{"role": "user", "content": "Say hi"}]
+    for extra in ({}, {"stream_options": {"include_usage": False}}):
+        kw = dict(model=NAME, max_tokens=3, temperature=0, stream=True, **extra)
+        chunks = list(live.client.completions.create(prompt="Hi", **kw))
+        assert chunks and all(c.choices and c.usage is None for c in chunks), extra
+        chunks = list(live.client.chat.completions.create(messages=messages, **kw))
+        assert chunks and all(c.choices and c.usage is None for c in chunks), extra
+
+
+def test_top_logprobs_are_cut_to_the_number_asked(live):
+    """echo scores the prompt with the larger of logprobs and prompt_logprobs (one pass):
+    the legacy logprobs list `logprobs` alternatives per token, vLLM's field its own number."""
+    out = live.client.completions.create(
+        model=NAME,
+        prompt="The capital of France is",
+        max_tokens=3,
+        temperature=0,
+        echo=True,
+        logprobs=1,
+        extra_body={"prompt_logprobs": 4},
+    )
+    choice = out.choices[0]
+    tops = choice.logprobs.top_logprobs
+    assert len(tops) == out.usage.prompt_tokens + 3 and tops[0] is None
+    assert all(len(top) == 1 for top in tops[1:])
+    entries = choice.model_extra["prompt_logprobs"]
+    assert all(len(entry) in (4, 5) for entry in entries[1:])  # the top 4 and the prompt token
+
+
+def test_text_offsets_count_characters_not_bytes(live):
+    prompt = "Crème brûlée à Zürich coûte 5 €, naïvement: 東京"
+    out = live.client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=0
+    )
+    lp = out.choices[0].logprobs
+    assert any(len(t) != len(t.encode()) for t in lp.tokens)  # the test can tell bytes apart
+    assert lp.text_offset == _offsets(lp.tokens)
+    chunks = [c.choices[0] for c in live.client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=0, stream=True
+    ) if c.choices]  # fmt: skip
+    assert sum((c.logprobs.text_offset for c in chunks), []) == lp.text_offset
+
+
+def test_default_max_tokens(live):
+    """Completions default to 16 tokens (OpenAI's default); chat to the context left."""
+    out = live.client.completions.create(
+        model=NAME, prompt="Hi", temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+    messages = [{"role": "user", "content": "hi " * 460}]
+    out = live.client.chat.completions.create(
+        model=NAME, messages=messages, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == MAX_MODEL_LEN
+    assert 16 < out.usage.completion_tokens <= 48 and out.choices[0].finish_reason == "length"
+
+
+def test_echo_of_several_prompts_with_n_echoes_each_its_own(live):
+    prompts = ["The capital of France is", "One, two,"]
+    alone = [_alone(live, p, 3) for p in prompts]
+    expected = [prompts[0] + alone[0]] * 2 + [prompts[1] + alone[1]] * 2
+    for form in (prompts, [live.engine.tokenize(p) for p in prompts]):
+        kw = dict(model=NAME, prompt=form, max_tokens=3, temperature=0, n=2, echo=True)
+        out = live.client.completions.create(**kw)
+        assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == expected
+        streamed = {}
+        for chunk in live.client.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                streamed[c.index] = streamed.get(c.index, "") + c.text
+        assert [streamed[i] for i in range(4)] == expected
+
+
+def test_prefix_cache_hits_count_only_blocks_found_cached(live):
+    bs = live.engine.block_manager.block_size
+    prompt = prompts_of_lengths([2 * bs + 8], seed=21, vocab=20000)[0]
+    other = prompt[:bs] + prompts_of_lengths([bs + 8], seed=22, vocab=20000)[0]
+
+    def hits_and_queries(tokens, **kw):
+        before = scrape_metrics(live)
+        live.client.completions.create(model=NAME, prompt=tokens, max_tokens=1, temperature=0, **kw)
+        after = scrape_metrics(live)
+        return tuple(
+            after[n] - before.get(n, 0)
+            for n in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+        )
+
+    n = len(prompt)
+    assert hits_and_queries(prompt) == (0, n)  # new: nothing found
+    assert hits_and_queries(prompt) == (2 * bs, n)  # its full blocks (the last token's is computed)
+    assert hits_and_queries(other) == (bs, n)  # the shared first block
+    # a scored prompt is computed whole (cached tokens have no logits): no hit
+    assert hits_and_queries(prompt, extra_body={"prompt_logprobs": 1}) == (0, n)
 
 
 # Concurrency, disconnects, overload ---------------------------------------------------------

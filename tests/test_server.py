@@ -31,7 +31,7 @@ from ringserve.engine.engine import LLMEngine
 from ringserve.errors import RequestError, RequestTooLargeError
 from ringserve.parallel.local_world import free_port
 from ringserve.server import build_app
-from ringserve.server.async_engine import AsyncEngine, EngineDeadError
+from ringserve.server.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError
 
 from conftest import KEY, MAX_MODEL_LEN, MAX_WAITING, NAME, scrape_metrics
 from helpers import prompts_of_lengths, serve_in_thread
@@ -777,10 +777,76 @@ def test_overload_is_503_and_a_waiting_stream_is_aborted_when_its_client_leaves(
         while sorted(engine.aborted) != sorted(engine.pending):
             assert time.monotonic() < deadline, (engine.pending, engine.aborted)
             time.sleep(0.02)
+        # and its --max-waiting slots are free again: as many choices wait at once as before
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as again:
+            assert again.status_code == 200, again.read()
         # more choices than may ever wait: no use retrying, a 400
         r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "n": 5}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
         assert "--max-waiting 4" in r.json()["error"]["message"]
+
+
+@pytest.mark.timeout(60)
+def test_requests_while_the_server_shuts_down_are_503():
+    """Once the shutdown began (the lifespan stops the engine loop), a request still waiting
+    ends with EngineStoppedError and one that arrives is refused: 503, never a hang."""
+
+    async def main():
+        ae = AsyncEngine(FakeEngine(None))  # never answers: the request stays waiting
+        ae.start()
+        await ae.wait_built()
+        stream = ae.submit([("r0", [1, 2], SamplingParams())])
+        await ae.stop()
+        with pytest.raises(EngineStoppedError):
+            async for _ in ae.results(stream):
+                pass
+        with pytest.raises(EngineStoppedError):
+            ae.submit([("r1", [1, 2], SamplingParams())])
+
+    asyncio.run(main())
+    from starlette.testclient import TestClient
+
+    engine = FakeEngine(None)
+    client = TestClient(build_app(engine, "fake"))
+    with client:  # start-up, then shutdown: the engine loop stops
+        assert client.get("/health").status_code == 200
+    assert engine.closed
+    for body in ({"prompt": [1, 2]}, {"prompt": [1, 2], "stream": True}):
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 503, r.text
+        assert "shutting down" in r.json()["error"]["message"] and r.json()["error"]["code"] == 503
+
+
+# Routes anyone may call; every other route needs the API key when one is set.
+PUBLIC_ROUTES = {
+    "/health",
+    "/version",
+    "/metrics",
+    "/openapi.json",
+    "/docs",
+    "/docs/oauth2-redirect",
+    "/redoc",
+}
+
+
+def test_api_key_guards_every_route_but_the_public_ones():
+    """Every route of the app (a new one included) answers 401 without the right key,
+    unless it is one of PUBLIC_ROUTES."""
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    app = build_app(FakeEngine(None), "fake", api_key="the-key")
+    routes = {(r.path, m) for r in app.routes if isinstance(r, Route) for m in (r.methods or ["GET"])}
+    guarded = sorted((p, m) for p, m in routes if p not in PUBLIC_ROUTES)
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= {p for p, _ in guarded}
+    with TestClient(app) as client:
+        for path, method in guarded:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "the-key"}):
+                r = client.request(method, path, headers=headers, json={"prompt": [1, 2]})
+                assert r.status_code == 401, (method, path, headers, r.status_code)
+        assert client.get("/v1/models", headers={"Authorization": "Bearer the-key"}).status_code == 200
+        for path in ("/health", "/metrics", "/openapi.json"):
+            assert client.get(path).status_code == 200, path
 
 
 def test_step_error_fails_requests_with_500_and_health_503():
@@ -1012,6 +1078,7 @@ def test_engine_logprobs_match_log_softmax(tiny_model_dir):
     prompt = [5, 17, 42, 99, 3]
     engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0, logprobs=4), "a")
     engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0), "b")
+    engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0, logprobs=1), "c")  # same steps
     outs = {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -1025,6 +1092,9 @@ def test_engine_logprobs_match_log_softmax(tiny_model_dir):
     assert [v for _, v in first.top] == pytest.approx(values.tolist(), abs=1e-4)
     assert first.token_id == ids[0].item() and first.logprob == pytest.approx(values[0].item(), abs=1e-4)
     assert [len(o.new_logprobs) for o in outs["a"]] == [1, 1, 1]
+    # each row lists its own number of alternatives, though the batch computed the top 4
+    assert [len(lp.top) for o in outs["a"] for lp in o.new_logprobs] == [4, 4, 4]
+    assert [len(lp.top) for o in outs["c"] for lp in o.new_logprobs] == [1, 1, 1]
     engine.close()
 
 

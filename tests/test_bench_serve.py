@@ -183,6 +183,48 @@ def test_rate_sweep_reports_goodput_per_rate_and_the_highest_rate_held(live, tmp
     assert (tmp_path / "rates.png").read_bytes()[:8] == PNG
 
 
+def test_efficiency_needs_a_cp1_run():
+    """Without a cp=1 result no efficiency is computed or shown (not one against another
+    degree taken as the base); with one, TTFT(cp=1) / (cp x TTFT(cp))."""
+    from ringserve.benchmarks.compare import efficiency, format_comparison
+
+    def run(cp, ttft_ms):
+        return {"path": f"cp{cp}.json", "label": f"cp={cp}", "cp": cp, "ttft_ms": ttft_ms}
+
+    runs = [run(2, {1024: 60.0, 4096: 200.0}), run(4, {1024: 40.0, 4096: 120.0})]
+    efficiency(runs)
+    assert all(e is None for r in runs for e in r["efficiency"].values())
+    table = format_comparison(runs)
+    assert "%" not in table  # no efficiency cell
+    assert table.endswith("(no cp=1 result among them: efficiency needs one)")
+    runs = [run(1, {1024: 100.0}), *runs]
+    efficiency(runs)
+    assert runs[1]["efficiency"] == {1024: pytest.approx(100 / (2 * 60)), 4096: None}  # no cp=1 at 4096
+    assert runs[2]["efficiency"][1024] == pytest.approx(100 / (4 * 40))
+    assert "needs one" not in format_comparison(runs)
+
+
+def test_itl_is_measured_between_token_events(monkeypatch):
+    """Each ITL is the time since the previous chunk with tokens, not since the request was
+    sent; TTFT since it was sent. (A clock that advances one second per reading.)"""
+    import itertools
+
+    import ringserve.benchmarks.client as client
+
+    ticks = itertools.count()
+    monkeypatch.setattr(
+        client, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: float(next(ticks)))})
+    )
+    r = _stream_once(
+        lambda request: events(
+            *({"choices": [{"index": 0, "text": t}]} for t in ("a", "b", "c", "d")),
+            {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 4}},
+        )
+    )
+    assert r.success and r.ttft == 1.0
+    assert r.itl == [1.0, 1.0, 1.0]
+
+
 def test_the_highest_rate_held_is_below_the_first_rate_that_misses():
     def point(rate, share):
         return {"request_rate": rate, "request_goodput_share": share}
@@ -263,6 +305,9 @@ def test_summary_follows_vllms_definitions():
     assert s["mean_tpot_ms"] == pytest.approx(20) and s["p50_tpot_ms"] == pytest.approx(20)
     assert s["median_itl_ms"] == pytest.approx(10) and s["p100_itl_ms"] == pytest.approx(40)
     assert s["mean_e2el_ms"] == pytest.approx((160 + 340 + 200) / 3)
+    # numpy's population std (ddof 0), as vLLM: TTFTs 100, 300, 200 ms -> sqrt(20000 / 3), not 100
+    assert s["std_ttft_ms"] == pytest.approx((20000 / 3) ** 0.5)
+    assert s["std_itl_ms"] == pytest.approx(float(np.std([20, 40, 10, 10, 10, 10])))
     assert s["errors"] == ["", "", "", "HTTP 503: overloaded"]
     empty = summarize(results[3:], 1.0, ["ttft"], [99])
     assert empty["mean_ttft_ms"] is None and empty["p99_ttft_ms"] is None

@@ -139,3 +139,16 @@ def test_stop_string_spanning_tokens_never_reaches_the_stream(tokenizer, span):
             streamed += d
             assert expected.startswith(streamed), (stop, streamed)  # nothing shown is taken back
         assert streamed == expected
+
+
+@pytest.mark.parametrize("order", [1, -1])
+def test_the_earliest_stop_string_wins_whatever_the_list_order(tokenizer, order):
+    """Stop strings completed by the same token: the text ends at the one that starts
+    first, not at the first one listed."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    prompt, output = ids[:2], ids[2:]
+    full = continuation(tokenizer, prompt, output)
+    stops = ["lazy", "zy"]  # "zy" ends where "lazy" does: both complete at the same token
+    assert full.index("zy") == full.index("lazy") + 2
+    _, seq, _ = stream(tokenizer, prompt, output, stop=stops[::order])
+    assert seq.stop_reason == "lazy" and seq.text == full[: full.index("lazy")]

@@ -173,6 +173,11 @@ def test_stop_token_ids_and_eos(llama):
         assert out.token_ids == greedy[: first + 1] and out.finish_reason == "stop"
         out = llm.generate([prompt], GREEDY)[0]
         assert out.token_ids == greedy and out.finish_reason == "length"
+        # ignore_eos ignores EOS only: a stop token still ends it
+        out = llm.generate(
+            [prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=[stop_at])
+        )[0]
+        assert out.token_ids == greedy[: first + 1] and out.stop_reason == stop_at
 
 
 def test_prompt_longer_than_context_fails_alone(llama):
@@ -266,3 +271,57 @@ def test_each_output_holds_the_tokens_so_far_without_copying_the_list(llama, asy
         assert out.token_ids[-1] == so_far[-1] and out.token_ids[1:3] == so_far[1:3]
     final = outputs[-1][0]
     assert type(final.token_ids) is list and final.token_ids == streamed
+
+
+def _run_aborting(llm, prompts, params, abort_when):
+    """Step the engine over these requests; abort_when(engine, ids) -> a request id to abort
+    (once), or None. Returns (tokens streamed per request, the id aborted, tokens streamed
+    to it after the abort)."""
+    engine = llm.engine
+    ids = [engine.add_request(p, params) for p in prompts]
+    streamed = {i: [] for i in ids}
+    aborted, after = None, []
+    while engine.has_unfinished():
+        if aborted is None and (aborted := abort_when(engine, ids)) is not None:
+            engine.abort(aborted)
+        for out in engine.step():
+            streamed[out.request_id] += out.new_token_ids
+            if out.request_id == aborted:
+                after += out.new_token_ids
+    return streamed, aborted, after
+
+
+@pytest.mark.parametrize("which", ["waiting", "preempted"])
+def test_aborting_a_waiting_or_preempted_request(llama, which):
+    """A request aborted while it waits (never admitted) or after preemption (back in the
+    queue, its blocks freed): nothing streams for it after, every block comes back, and the
+    others generate what they generate alone."""
+    if which == "waiting":
+        prompts = prompts_of_lengths([9, 14, 6], seed=12)
+        kw = dict(max_num_seqs=1)
+
+        def abort_when(engine, ids):
+            waiting = [s.request_id for s in engine.scheduler.waiting]
+            return ids[1] if engine.scheduler.running and ids[1] in waiting else None
+
+    else:
+        shared = prompts_of_lengths([32], seed=5)[0]
+        prompts = [shared + t for t in prompts_of_lengths([3, 7, 5, 9], seed=6)]
+        kw = dict(block_size=8, num_blocks=22, max_num_seqs=4, max_model_len=120)
+
+        def abort_when(engine, ids):
+            preempted = [s for s in engine.scheduler.waiting if s.output_token_ids]
+            return preempted[0].request_id if preempted else None
+
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with LLM(llama, device="cpu", dtype="float32", **kw) as llm:
+        streamed, aborted, after = _run_aborting(llm, prompts, params, abort_when)
+        assert aborted is not None, "the request to abort never was " + which
+        assert after == [] and not llm.engine.seqs
+        manager = llm.engine.block_manager
+        assert manager.num_free_blocks == manager.num_blocks
+        if which == "preempted":
+            assert llm.engine.num_preemptions > 0 and 0 < len(streamed[aborted]) < 24
+    others = [(p, streamed[rid]) for p, rid in zip(prompts, streamed) if rid != aborted]
+    expected = alone(llama, [p for p, _ in others], params)
+    assert [tokens for _, tokens in others] == expected

@@ -48,6 +48,40 @@ def test_groups_follow_layer_types():
     assert KVGroups.for_model(config([sliding, full])).min_blocks(30, 4) == 8 + 3
 
 
+def test_min_blocks_is_the_peak_of_computing_a_token_at_a_time():
+    """min_blocks against brute force: a BlockManager computing the sequence one token a
+    step (the fewest blocks any chunking can hold: a chunk needs at least what each of its
+    tokens needs), releasing windowed blocks after each step as the engine does; the most
+    blocks held at once. Token 6 of 8 (lookback 3, blocks of 4) still sees block 0 though
+    the last token does not: the peak is not at the last token."""
+    from ringserve.engine.block_manager import BlockManager
+    from ringserve.engine.kv_groups import min_blocks
+    from ringserve.engine.sequence import Sequence
+    from ringserve.sampling_params import SamplingParams
+
+    def peak(lookbacks, num_tokens, block_size):
+        manager = BlockManager(1000, block_size, False, group_lookbacks=lookbacks)
+        seq = Sequence("a", list(range(num_tokens)), SamplingParams())
+        most = 0
+        while seq.num_computed_tokens < num_tokens:
+            assert manager.allocate(seq, 1)
+            most = max(most, manager.num_blocks - manager.num_free_blocks)
+            seq.num_computed_tokens += 1
+            manager.release_outside_window(seq)
+        return most
+
+    assert min_blocks((3, None), 8, 4) == peak((3, None), 8, 4) == 4
+    for block_size in (1, 2, 4, 5):
+        for lookbacks in ((None,), (3,), (7, None), (4, 9, None), (15,), (0, None)):
+            for num_tokens in range(1, 41):
+                want = peak(lookbacks, num_tokens, block_size)
+                assert min_blocks(lookbacks, num_tokens, block_size) == want, (
+                    lookbacks,
+                    num_tokens,
+                    block_size,
+                )
+
+
 def test_prefix_hit_needs_only_the_blocks_windowed_groups_still_see():
     """Groups (lookback 7, full), blocks of 4: a finished 30-token sequence leaves its full
     blocks cached in both groups. A sequence sharing 24 tokens hits 6 blocks: the windowed

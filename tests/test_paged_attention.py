@@ -268,3 +268,27 @@ def test_short_context_graph_is_chosen_only_where_every_split_is_one_step(llama_
     assert graphs.graph_key(1, 4 * step_keys + 1) == (1, False)
     assert graphs.graph_key(2, 5) == (2, False)
     assert graphs.graph_key(3, 5)[0] == 4
+
+
+def test_decode_graph_is_chosen_by_the_keys_after_the_step(llama_engine):
+    """A decode step's graph is chosen by its longest sequence's keys once the step's token
+    is in the cache (start + 1): a sequence whose new token fills the last key of the
+    short-context graph still runs it, one past that runs the general graph."""
+    from types import SimpleNamespace
+
+    graphs = DecodeGraphs(llama_engine.executor.worker.runner, max_batch=8, capture=False)
+    graphs.splits.update({1: 4, 2: 4})
+    limit = 4 * pa.LAUNCH["block_n"]  # the most keys the short-context graph reads
+    chosen = []
+
+    def forward(b, one_block):
+        chosen.append((b, one_block))
+        return graphs.logits[:b]
+
+    graphs._forward = forward
+    for starts in ([limit - 1], [limit], [limit - 1, 5], [5, limit]):
+        step = SimpleNamespace(
+            rows=list(range(len(starts))), token_ids=[[1]] * len(starts), starts=starts, pending=[]
+        )
+        graphs.run(step)
+    assert chosen == [(1, True), (1, False), (2, True), (2, False)]

@@ -138,6 +138,16 @@ def test_top_p_keeps_the_crossing_token():
     check_distribution(draw(SamplingParams(top_p=0.6), seeds=2000, steps=10, logits=logits), target)
 
 
+def test_top_p_at_an_exact_boundary_keeps_the_smallest_set_that_reaches_it():
+    """Four equal tokens (0.25 each, exact in float32): top_p 0.5 is reached by two of them
+    exactly, so the third is dropped; 0.75 by three; just above 0.5, three are needed."""
+    logits = torch.zeros(1, 4)
+    for top_p, kept in ((0.25, 1), (0.5, 2), (0.75, 3), (0.5001, 3)):
+        params = SamplingParams(temperature=1.0, top_p=top_p)
+        out = filtered_logits(logits, SamplingTensors.from_seqs([make_seq(params)], "cpu", 4))
+        assert int(torch.isfinite(out).sum()) == kept, top_p
+
+
 def test_top_p_of_one_keeps_every_top_k_token():
     """One token holds all the float32 mass: the cumulative sum before every other token is
     exactly 1.0, yet top_p = 1 must drop nothing beyond what top-k drops."""

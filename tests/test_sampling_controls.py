@@ -73,6 +73,28 @@ def test_presence_and_frequency_penalties_follow_openais_formula(llama, referenc
     assert outs[0].token_ids != plain
 
 
+def test_frequency_penalty_scales_with_the_count_presence_does_not():
+    """OpenAI's formula on the adjuster itself: logit - count * frequency - (count > 0) *
+    presence, count the times the token was generated (the prompt's tokens do not count),
+    counted both from the host's history and from the tokens recorded after sampling."""
+    from ringserve.engine.logits_adjust import LogitsAdjuster
+
+    adjuster = LogitsAdjuster(8, torch.device("cpu"), eos_token_ids=[7])
+    seq = Sequence("r", [1, 1, 2], SamplingParams(frequency_penalty=0.5, presence_penalty=0.25))
+    seq.output_token_ids = [3, 3, 3, 4]
+    plain = Sequence("p", [3, 4], SamplingParams())
+    logits = torch.zeros(2, 8)
+    got = adjuster.adjust(logits, [seq, plain])
+    expected = torch.zeros(8)
+    expected[3] = -3 * 0.5 - 0.25
+    expected[4] = -1 * 0.5 - 0.25
+    torch.testing.assert_close(got[0], expected, rtol=0, atol=0)
+    torch.testing.assert_close(got[1], torch.zeros(8), rtol=0, atol=0)  # its neighbour untouched
+    adjuster.record([seq, plain], torch.tensor([3, 5]))  # sampled: 3 once more
+    expected[3] = -4 * 0.5 - 0.25
+    torch.testing.assert_close(adjuster.adjust(logits, [seq, plain])[0], expected, rtol=0, atol=0)
+
+
 def test_logit_bias_equals_transformers_sequence_bias(llama, reference):
     prompts = prompts_of_lengths([6, 19], seed=2)
     plain = hf_greedy(reference, prompts[0], MAX_TOKENS)

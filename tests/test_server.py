@@ -31,10 +31,10 @@ from ringserve.engine.engine import LLMEngine
 from ringserve.errors import RequestError, RequestTooLargeError
 from ringserve.parallel.local_world import free_port
 from ringserve.server import build_app
-from ringserve.server.async_engine import AsyncEngine, EngineDeadError
+from ringserve.server.async_engine import AsyncEngine, EngineDeadError, EngineStoppedError
 
 from conftest import KEY, MAX_MODEL_LEN, MAX_WAITING, NAME, scrape_metrics
-from helpers import serve_in_thread
+from helpers import prompts_of_lengths, serve_in_thread
 
 
 def _wait_idle(live, timeout=10.0):
@@ -430,6 +430,110 @@ def test_sentencepiece_tokens_keep_their_spaces_and_offsets(tmp_path):
         plain = client.post("/v1/completions", json={**body, "echo": False}).json()["choices"][0]
         assert plain["logprobs"]["tokens"] == generated
         assert plain["logprobs"]["text_offset"] == [o - len(prompt) for o in offsets]
+
+
+def test_stream_without_include_usage_has_no_usage_chunk(live):
+    """stream_options absent, or include_usage false: no usage chunk at the end."""
+    messages = [{"role": "user", "content": "Say hi"}]
+    for extra in ({}, {"stream_options": {"include_usage": False}}):
+        kw = dict(model=NAME, max_tokens=3, temperature=0, stream=True, **extra)
+        chunks = list(live.client.completions.create(prompt="Hi", **kw))
+        assert chunks and all(c.choices and c.usage is None for c in chunks), extra
+        chunks = list(live.client.chat.completions.create(messages=messages, **kw))
+        assert chunks and all(c.choices and c.usage is None for c in chunks), extra
+
+
+def test_top_logprobs_are_cut_to_the_number_asked(live):
+    """echo scores the prompt with the larger of logprobs and prompt_logprobs (one pass):
+    the legacy logprobs list `logprobs` alternatives per token, vLLM's field its own number."""
+    out = live.client.completions.create(
+        model=NAME,
+        prompt="The capital of France is",
+        max_tokens=3,
+        temperature=0,
+        echo=True,
+        logprobs=1,
+        extra_body={"prompt_logprobs": 4},
+    )
+    choice = out.choices[0]
+    tops = choice.logprobs.top_logprobs
+    assert len(tops) == out.usage.prompt_tokens + 3 and tops[0] is None
+    # the likeliest one, and the token itself after it when it is not the likeliest (vLLM's N + 1)
+    tokens = choice.logprobs.tokens
+    assert all(len(top) == 1 or (len(top) == 2 and t in top) for t, top in zip(tokens[1:], tops[1:]))
+    assert any(len(top) == 2 for top in tops[1:])  # a cut to 2 would pass the line above alone
+    entries = choice.model_extra["prompt_logprobs"]
+    assert all(len(entry) in (4, 5) for entry in entries[1:])  # the top 4 and the prompt token
+
+
+def test_text_offsets_count_characters_not_bytes(live):
+    prompt = "Crème brûlée à Zürich coûte 5 €, naïvement: 東京"
+    out = live.client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=0
+    )
+    lp = out.choices[0].logprobs
+    assert any(len(t) != len(t.encode()) for t in lp.tokens)  # the test can tell bytes apart
+    text = out.choices[0].text
+    # each token is found at its offset in the text, in characters; the pieces of a character
+    # split over tokens (東京 here, shown as U+FFFD) share that character's offset
+    for token, offset in zip(lp.tokens, lp.text_offset):
+        assert "\ufffd" in token or text[offset:].startswith(token), (token, offset)
+    assert lp.text_offset == sorted(lp.text_offset) and "\ufffd" in "".join(lp.tokens)
+    chunks = [c.choices[0] for c in live.client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=0, stream=True
+    ) if c.choices]  # fmt: skip
+    assert sum((c.logprobs.text_offset for c in chunks), []) == lp.text_offset
+
+
+def test_default_max_tokens(live):
+    """Completions default to 16 tokens (OpenAI's default); chat to the context left."""
+    out = live.client.completions.create(
+        model=NAME, prompt="Hi", temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+    messages = [{"role": "user", "content": "hi " * 460}]
+    out = live.client.chat.completions.create(
+        model=NAME, messages=messages, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == MAX_MODEL_LEN
+    assert 16 < out.usage.completion_tokens <= 48 and out.choices[0].finish_reason == "length"
+
+
+def test_echo_of_several_prompts_with_n_echoes_each_its_own(live):
+    prompts = ["The capital of France is", "One, two,"]
+    alone = [_alone(live, p, 3) for p in prompts]
+    expected = [prompts[0] + alone[0]] * 2 + [prompts[1] + alone[1]] * 2
+    for form in (prompts, [live.engine.tokenize(p) for p in prompts]):
+        kw = dict(model=NAME, prompt=form, max_tokens=3, temperature=0, n=2, echo=True)
+        out = live.client.completions.create(**kw)
+        assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == expected
+        streamed = {}
+        for chunk in live.client.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                streamed[c.index] = streamed.get(c.index, "") + c.text
+        assert [streamed[i] for i in range(4)] == expected
+
+
+def test_prefix_cache_hits_count_only_blocks_found_cached(live):
+    bs = live.engine.block_manager.block_size
+    prompt = prompts_of_lengths([2 * bs + 8], seed=21, vocab=20000)[0]
+    other = prompt[:bs] + prompts_of_lengths([bs + 8], seed=22, vocab=20000)[0]
+
+    def hits_and_queries(tokens, **kw):
+        before = scrape_metrics(live)
+        live.client.completions.create(model=NAME, prompt=tokens, max_tokens=1, temperature=0, **kw)
+        after = scrape_metrics(live)
+        return tuple(
+            after[n] - before.get(n, 0)
+            for n in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+        )
+
+    n = len(prompt)
+    assert hits_and_queries(prompt) == (0, n)  # new: nothing found
+    assert hits_and_queries(prompt) == (2 * bs, n)  # its full blocks (the last token's is computed)
+    assert hits_and_queries(other) == (bs, n)  # the shared first block
+    # a scored prompt is computed whole (cached tokens have no logits): no hit
+    assert hits_and_queries(prompt, extra_body={"prompt_logprobs": 1}) == (0, n)
 
 
 # Concurrency, disconnects, overload ---------------------------------------------------------
@@ -930,10 +1034,76 @@ def test_overload_is_503_and_a_waiting_stream_is_aborted_when_its_client_leaves(
         while sorted(engine.aborted) != sorted(engine.pending):
             assert time.monotonic() < deadline, (engine.pending, engine.aborted)
             time.sleep(0.02)
+        # and its --max-waiting slots are free again: as many choices wait at once as before
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as again:
+            assert again.status_code == 200, again.read()
         # more choices than may ever wait: no use retrying, a 400
         r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "n": 5}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
         assert "--max-waiting 4" in r.json()["error"]["message"]
+
+
+@pytest.mark.timeout(60)
+def test_requests_while_the_server_shuts_down_are_503():
+    """Once the shutdown began (the lifespan stops the engine loop), a request still waiting
+    ends with EngineStoppedError and one that arrives is refused: 503, never a hang."""
+
+    async def main():
+        ae = AsyncEngine(FakeEngine(None))  # never answers: the request stays waiting
+        ae.start()
+        await ae.wait_built()
+        stream = ae.submit([("r0", [1, 2], SamplingParams())])
+        await ae.stop()
+        with pytest.raises(EngineStoppedError):
+            async for _ in ae.results(stream):
+                pass
+        with pytest.raises(EngineStoppedError):
+            ae.submit([("r1", [1, 2], SamplingParams())])
+
+    asyncio.run(main())
+    from starlette.testclient import TestClient
+
+    engine = FakeEngine(None)
+    client = TestClient(build_app(engine, "fake"))
+    with client:  # start-up, then shutdown: the engine loop stops
+        assert client.get("/health").status_code == 200
+    assert engine.closed
+    for body in ({"prompt": [1, 2]}, {"prompt": [1, 2], "stream": True}):
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 503, r.text
+        assert "shutting down" in r.json()["error"]["message"] and r.json()["error"]["code"] == 503
+
+
+# Routes anyone may call; every other route needs the API key when one is set.
+PUBLIC_ROUTES = {
+    "/health",
+    "/version",
+    "/metrics",
+    "/openapi.json",
+    "/docs",
+    "/docs/oauth2-redirect",
+    "/redoc",
+}
+
+
+def test_api_key_guards_every_route_but_the_public_ones():
+    """Every route of the app (a new one included) answers 401 without the right key,
+    unless it is one of PUBLIC_ROUTES."""
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    app = build_app(FakeEngine(None), "fake", api_key="the-key")
+    routes = {(r.path, m) for r in app.routes if isinstance(r, Route) for m in (r.methods or ["GET"])}
+    guarded = sorted((p, m) for p, m in routes if p not in PUBLIC_ROUTES)
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= {p for p, _ in guarded}
+    with TestClient(app) as client:
+        for path, method in guarded:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "the-key"}):
+                r = client.request(method, path, headers=headers, json={"prompt": [1, 2]})
+                assert r.status_code == 401, (method, path, headers, r.status_code)
+        assert client.get("/v1/models", headers={"Authorization": "Bearer the-key"}).status_code == 200
+        for path in ("/health", "/metrics", "/openapi.json"):
+            assert client.get(path).status_code == 200, path
 
 
 def test_step_error_fails_requests_with_500_and_health_503():
@@ -1165,6 +1335,7 @@ def test_engine_logprobs_match_log_softmax(tiny_model_dir):
     prompt = [5, 17, 42, 99, 3]
     engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0, logprobs=4), "a")
     engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0), "b")
+    engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0, logprobs=1), "c")  # same steps
     outs = {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -1178,6 +1349,9 @@ def test_engine_logprobs_match_log_softmax(tiny_model_dir):
     assert [v for _, v in first.top] == pytest.approx(values.tolist(), abs=1e-4)
     assert first.token_id == ids[0].item() and first.logprob == pytest.approx(values[0].item(), abs=1e-4)
     assert [len(o.new_logprobs) for o in outs["a"]] == [1, 1, 1]
+    # each row lists its own number of alternatives, though the batch computed the top 4
+    assert [len(lp.top) for o in outs["a"] for lp in o.new_logprobs] == [4, 4, 4]
+    assert [len(lp.top) for o in outs["c"] for lp in o.new_logprobs] == [1, 1, 1]
     engine.close()
 
 

@@ -150,3 +150,25 @@ def test_cli_reports_indivisible_heads(capsys):
 
     assert main(["generate", "hi", "--tp", "2", "--device", "cpu"]) == 2
     assert "num_attention_heads=9" in capsys.readouterr().err
+
+
+def test_tp_with_a_vocabulary_that_tp_does_not_divide(tmp_path):
+    """Vocabulary 255 over 2 ranks: rank 1 holds 127 real rows and a padding row. The
+    gathered logits are the 255 of the single-rank run (the padding row cut off, never
+    sampled), and so are the greedy tokens."""
+    from ringserve.tiny_models import make_hf_config, save_random_model
+
+    config = make_hf_config("llama")
+    config.vocab_size = 255
+    folder = save_random_model(config, str(tmp_path / "llama255"))
+    prompts = [[5, 17, 42, 99, 3, 250, 7], [254, 1, 77]]
+    results = []
+    for tp in (1, 2):
+        with LLM(folder, device="cpu", dtype="float32", tp=tp, timeout_s=60) as llm:
+            tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+            logits = engine_logits(llm.engine, list(range(3, 30)), prefill=20)
+        results.append((tokens, logits))
+    (ref_tokens, ref_logits), (tokens, logits) = results
+    assert ref_logits.shape[-1] == logits.shape[-1] == 255
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert tokens == ref_tokens and all(t < 255 for ts in tokens for t in ts)

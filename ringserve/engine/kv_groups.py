@@ -80,11 +80,14 @@ class KVGroups:
 
 def min_blocks(lookbacks: tuple[int | None, ...], num_tokens: int, block_size: int) -> int:
     """The fewest blocks a sequence of num_tokens tokens holds over groups with these
-    lookbacks, computed a chunk at a time: a full group all of them, a windowed group at
-    least the blocks its last token's window touches."""
+    lookbacks, computed a chunk at a time (its peak, computed a token at a time): a full
+    group all of them, a windowed group the blocks the window of the first token of the
+    last block touches (the widest of any token's windows in the last block, and no
+    earlier token's window spans more blocks)."""
     blocks = -(-num_tokens // block_size)
+    first_of_last = (blocks - 1) * block_size  # the position of the last block's first token
     total = 0
     for lookback in lookbacks:
-        first = 0 if lookback is None else max(0, num_tokens - 1 - lookback) // block_size
+        first = 0 if lookback is None else max(0, first_of_last - lookback) // block_size
         total += blocks - first
     return total

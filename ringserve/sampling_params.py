@@ -83,6 +83,9 @@ class SamplingParams:
     min_tokens: int = 0  # no EOS, stop token or stop string before this many tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
+    # words never generated (vLLM's bad_words): each word's tokens, alone and after a space;
+    # a word's last token is banned where the output's last tokens are the rest of it
+    bad_words: list[str] = field(default_factory=list)
     # The output follows a JSON schema, regex, choice or grammar; None: free text. Its mask
     # applies before everything above, and logprobs are those of the masked distribution, as vLLM.
     structured_outputs: StructuredOutputsParams | None = None
@@ -94,6 +97,8 @@ class SamplingParams:
             self.stop = [self.stop]
         if isinstance(self.stop, tuple):
             self.stop = list(self.stop)
+        if isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words)
         if self.top_k == -1:
             self.top_k = 0
         self.verify()
@@ -120,6 +125,12 @@ class SamplingParams:
             _is_int(t) for t in self.stop_token_ids
         ):
             raise RequestError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.bad_words, list) or not all(
+            isinstance(w, str) and w.strip() for w in self.bad_words
+        ):
+            raise RequestError(
+                f"bad_words must be a list of non-empty strings, got {_shorten(self.bad_words)}"
+            )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -160,8 +171,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether sampling needs the logits adjusted (bias, min_tokens, penalties)."""
-        return bool(self.logit_bias) or self.min_tokens > 0 or self.penalized
+        """Whether sampling needs the logits adjusted (bias, min_tokens, penalties, bad words)."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.penalized or bool(self.bad_words)
 
     @property
     def penalized(self) -> bool:

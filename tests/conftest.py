@@ -48,6 +48,24 @@ def builtin_dir():
     return converted_folder(builtin_model_path())
 
 
+@pytest.fixture(scope="session")
+def smol_vocab_model(tmp_path_factory, builtin_dir):
+    """A tiny random Llama whose vocabulary is SmolLM2's (49,152 real tokens), with
+    SmolLM2's tokenizer files: for what needs real text, quickly."""
+    import shutil
+
+    import transformers as tf
+
+    from ringserve.tiny_models import TINY, save_random_model
+
+    folder = str(tmp_path_factory.mktemp("smol_vocab_llama"))
+    config = tf.LlamaConfig(**{**TINY, "vocab_size": 49152}, tie_word_embeddings=True)
+    save_random_model(config, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(f"{builtin_dir}/{name}", folder)
+    return folder
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -84,7 +84,7 @@ def test_frequency_penalty_scales_with_the_count_presence_does_not():
     seq.output_token_ids = [3, 3, 3, 4]
     plain = Sequence("p", [3, 4], SamplingParams())
     logits = torch.zeros(2, 8)
-    got = adjuster.adjust(logits, [seq, plain])
+    got = adjuster.adjust(logits, [seq, plain], {})
     expected = torch.zeros(8)
     expected[3] = -3 * 0.5 - 0.25
     expected[4] = -1 * 0.5 - 0.25
@@ -92,7 +92,7 @@ def test_frequency_penalty_scales_with_the_count_presence_does_not():
     torch.testing.assert_close(got[1], torch.zeros(8), rtol=0, atol=0)  # its neighbour untouched
     adjuster.record([seq, plain], torch.tensor([3, 5]))  # sampled: 3 once more
     expected[3] = -4 * 0.5 - 0.25
-    torch.testing.assert_close(adjuster.adjust(logits, [seq, plain])[0], expected, rtol=0, atol=0)
+    torch.testing.assert_close(adjuster.adjust(logits, [seq, plain], {})[0], expected, rtol=0, atol=0)
 
 
 def test_logit_bias_equals_transformers_sequence_bias(llama, reference):
@@ -179,3 +179,67 @@ def test_penalty_slots_are_freed_and_reused(llama):
         adjuster = llm.engine.logits_adjuster
         assert adjuster.counts.shape[0] == 16  # 10 rows at once: grown 8 -> 16 once, not again
         assert len(adjuster.free) + len(adjuster.slot_of) == 16
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_bad_words_equal_transformers_no_bad_words(smol_vocab_model, async_scheduling):
+    """A one-token word is never drawn; a two-token word's second token is banned right after
+    its first (transformers' NoBadWordsLogitsProcessor, with the ids vLLM finds for the words)."""
+    from transformers import AutoTokenizer
+
+    from ringserve.engine.logits_adjust import bad_words_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(smol_vocab_model)
+    reference = hf_model(smol_vocab_model)
+    prompt = tokenizer.encode("The weather today is")
+    plain = hf_greedy(reference, prompt, MAX_TOKENS)
+    # words made of the greedy output's own tokens, so that banning them changes it: the
+    # first token alone, and the first pair (at k, k + 1) that a word's text gives back
+    one = tokenizer.decode(plain[:1]).strip()
+    one_ids = bad_words_token_ids(tokenizer, [one])
+    assert one_ids[0] == plain[:1], one_ids
+    k, two = next(
+        (k, text)
+        for k in range(len(plain) - 1)
+        if plain[k : k + 2]
+        in bad_words_token_ids(tokenizer, [text := tokenizer.decode(plain[k : k + 2]).strip()])
+    )
+    two_ids = bad_words_token_ids(tokenizer, [two])
+    expected_one = hf_greedy(reference, prompt, MAX_TOKENS, bad_words_ids=one_ids)
+    expected_two = hf_greedy(reference, prompt, MAX_TOKENS, bad_words_ids=two_ids)
+    # the pair is cut right after its first token: its ban waits for that token
+    assert expected_two[: k + 1] == plain[: k + 1] and expected_two[k + 1] != plain[k + 1]
+    with LLM(smol_vocab_model, device="cpu", dtype="float32", async_scheduling=async_scheduling) as llm:
+        params = [greedy(bad_words=[one]), greedy(bad_words=[two]), greedy()]
+        outs = llm.generate([prompt] * 3, params)
+    assert [o.token_ids for o in outs] == [expected_one, expected_two, plain]
+    assert expected_one != plain
+
+
+def test_bad_words_ban_a_last_token_after_the_rest_of_its_word():
+    from ringserve.engine.logits_adjust import banned_by_bad_words
+    from ringserve.engine.sequence import PENDING_TOKEN
+
+    words = [[5], [7, 8], [1, 2, 3]]
+    assert banned_by_bad_words(words, [9, 7], None) == [5, 8]
+    assert banned_by_bad_words(words, [7, 9], None) == [5]
+    assert banned_by_bad_words(words, [1, 2], None) == [5, 3]
+    # the last token still on the device: the host sees it through `pending`
+    assert banned_by_bad_words(words, [7, PENDING_TOKEN], 9) == [5]
+    assert banned_by_bad_words(words, [1, PENDING_TOKEN], 7) == [5, 8]
+    assert banned_by_bad_words(words, [PENDING_TOKEN], 7) == [5, 8]
+
+
+def test_bad_words_token_ids_as_vllm_finds_them(builtin_dir):
+    from transformers import AutoTokenizer
+
+    from ringserve.engine.logits_adjust import bad_words_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(builtin_dir)
+    for word in ["hello", " world", "Paris"]:
+        alone = tokenizer.encode(word.strip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.strip(), add_special_tokens=False)
+        found = bad_words_token_ids(tokenizer, [word])
+        # both forms when they differ and are as long: "hello" starts a text, " hello" is mid-text
+        assert found == ([alone, spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [alone])
+        assert len(found) == 2 or len(spaced) != len(alone), (word, alone, spaced)

@@ -758,6 +758,12 @@ def test_sampling_controls_reach_the_engine(live):
         **{**kw, "max_tokens": 8}, logit_bias=eos, extra_body={"min_tokens": 5}
     )
     assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"  # 5, then EOS
+    # bad_words: the word the greedy answer starts with is never written
+    first_word = plain.split()[0]
+    avoided = live.client.completions.create(
+        **{**kw, "max_tokens": 8}, extra_body={"bad_words": [first_word]}
+    )
+    assert first_word not in avoided.choices[0].text.split()[:1] and avoided.choices[0].text != plain
 
 
 @pytest.mark.parametrize(

@@ -9,16 +9,11 @@ schema than a trained model's answers would."""
 
 import json
 import re
-import shutil
 
 import jsonschema
 import pytest
-import transformers as tf
 
 from ringserve import LLM, RequestError, SamplingParams, StructuredOutputsParams
-from ringserve.tiny_models import TINY, save_random_model
-
-VOCAB = 49152
 
 SCHEMAS = [
     {  # nested objects, required keys, no others
@@ -86,16 +81,6 @@ SCHEMAS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory, builtin_dir):
-    """A tiny random Llama whose vocabulary is SmolLM2's, with SmolLM2's tokenizer files."""
-    folder = str(tmp_path_factory.mktemp("json_llama"))
-    save_random_model(tf.LlamaConfig(**{**TINY, "vocab_size": VOCAB}, tie_word_embeddings=True), folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(f"{builtin_dir}/{name}", folder)
-    return folder
-
-
 def constrained(seed: int, temperature: float = 1.0, max_tokens: int = 120, **spec) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
@@ -112,7 +97,7 @@ def check_schema_outputs(outs, schemas) -> None:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_json_outputs_validate_against_their_schemas(model, async_scheduling):
+def test_json_outputs_validate_against_their_schemas(smol_vocab_model, async_scheduling):
     # Each schema twice (seeds differ: n > 1 as the server sends it), greedy once;
     # beside free rows, a regex row and a choice row. Compact JSON: a random model given
     # free whitespace would spend every token on it (the server's tests leave it free).
@@ -132,7 +117,7 @@ def test_json_outputs_validate_against_their_schemas(model, async_scheduling):
         constrained(8, choice=["yes", "no", "perhaps"]),
     ]
     prompts = ["Write JSON."] * len(params)
-    with LLM(model, device="cpu", dtype="float32", async_scheduling=async_scheduling) as llm:
+    with LLM(smol_vocab_model, device="cpu", dtype="float32", async_scheduling=async_scheduling) as llm:
         outs = llm.generate(prompts, params)
         alone = llm.generate(prompts[:1], free)[0]
     check_schema_outputs(outs, schemas)
@@ -143,12 +128,12 @@ def test_json_outputs_validate_against_their_schemas(model, async_scheduling):
     assert len({o.text for o in outs[:3]}) == 3, [o.text for o in outs[:3]]
 
 
-def test_grammars_lark_and_gbnf(model):
+def test_grammars_lark_and_gbnf(smol_vocab_model):
     gbnf = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
     lark = 'start: "[" item ("," item)* "]"\nitem: /[a-c]{1,3}/'
     # (json_object is left to the server's tests: a random model never closes a free-form key)
     params = [constrained(3, grammar=gbnf), constrained(4, grammar=lark), constrained(5, grammar=lark)]
-    with LLM(model, device="cpu", dtype="float32") as llm:
+    with LLM(smol_vocab_model, device="cpu", dtype="float32") as llm:
         outs = llm.generate(["Go."] * len(params), params)
     assert re.fullmatch(r"\((?:[1-9][0-9]?)(?:\+[1-9][0-9]?)*\)", outs[0].text), outs[0].text
     for out in outs[1:]:
@@ -156,22 +141,22 @@ def test_grammars_lark_and_gbnf(model):
 
 
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(dp=2), dict(cp=2)])
-def test_parallel_layouts_follow_the_grammar_as_one_rank(model, layout):
+def test_parallel_layouts_follow_the_grammar_as_one_rank(smol_vocab_model, layout):
     schemas = SCHEMAS[:3]
     # seeded sampling: as reproducible as greedy, and it does not loop in a number's digits
     params = [constrained(i, json=s, disable_any_whitespace=True) for i, s in enumerate(schemas)]
     params.append(constrained(5, temperature=0, regex=r"[0-9]{4}"))
     prompts = ["Write JSON.", "Now some JSON, please.", "JSON", "Digits"]
-    with LLM(model, device="cpu", dtype="float32") as llm:
+    with LLM(smol_vocab_model, device="cpu", dtype="float32") as llm:
         expected = [o.token_ids for o in llm.generate(prompts, params)]
-    with LLM(model, device="cpu", dtype="float32", timeout_s=60, **layout) as llm:
+    with LLM(smol_vocab_model, device="cpu", dtype="float32", timeout_s=60, **layout) as llm:
         outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == expected
     check_schema_outputs(outs, schemas)
 
 
-def test_bad_grammars_are_refused_and_nothing_is_queued(model):
-    with LLM(model, device="cpu", dtype="float32") as llm:
+def test_bad_grammars_are_refused_and_nothing_is_queued(smol_vocab_model):
+    with LLM(smol_vocab_model, device="cpu", dtype="float32") as llm:
         for spec, words in [
             (dict(json="{not json"), "structured_outputs"),
             (dict(regex="(unclosed"), "grammar cannot be used"),

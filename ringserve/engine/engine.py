@@ -32,7 +32,7 @@ from ringserve.engine.loading import (
     resolve_model_path,
     start_executor,
 )
-from ringserve.engine.logits_adjust import LogitsAdjuster
+from ringserve.engine.logits_adjust import LogitsAdjuster, bad_words_token_ids
 from ringserve.engine.logprobs import DeviceLogprobs, token_logprobs
 from ringserve.engine.request_checks import check_params, check_prompt, check_text
 from ringserve.engine.sampler import sample_on_device
@@ -241,6 +241,8 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params, prompt if isinstance(prompt, str) else None)
         if params.structured_outputs is not None:
             seq.grammar = self.grammar_compiler.matcher(params.structured_outputs)
+        if params.bad_words:
+            seq.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         seq.arrival_time = time.monotonic()
         self.seqs[request_id] = seq
         if self.tokenizer is not None:
@@ -265,6 +267,8 @@ class LLMEngine:
         check_params(params, max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size)
         if params.structured_outputs is not None:
             self.grammar_compiler.check(params.structured_outputs)
+        if params.bad_words and self.tokenizer is None:
+            raise RequestError(f"bad_words: {self.model_path} has no tokenizer to find the words' tokens")
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -347,11 +351,12 @@ class LLMEngine:
         no_token = [seq for seq in sampling if seq.params.max_tokens == 0]
         logits = logits[:num_sampling] if not no_token else logits[keep]
         sampling = [sampling[i] for i in keep]
+        pending = _pending_tokens(sampling, inflight)
         if any(seq.grammar is not None for seq in sampling):  # masked before the logprobs, as vLLM
-            logits = self._constrain(logits, sampling, inflight)
+            logits = self._constrain(logits, sampling, pending)
         self.logits_adjuster.release_finished(self.seqs)
         # logits stay raw for the logprobs (vLLM's default); the tokens come from the adjusted
-        tokens, kept, errors = _sample_or_blame(logits, sampling, self.logits_adjuster)
+        tokens, kept, errors = _sample_or_blame(logits, sampling, self.logits_adjuster, pending)
         failed = [(sampling[i], e) for i, e in errors.items()]
         if errors:
             logits, sampling = logits[kept], [sampling[i] for i in kept]
@@ -360,22 +365,13 @@ class LLMEngine:
         return LaunchedStep(batch, sampling, tokens, logprobs, no_token, failed)
 
     def _constrain(
-        self, logits: torch.Tensor, sampling: list[Sequence], inflight: LaunchedStep | None
+        self, logits: torch.Tensor, sampling: list[Sequence], pending: dict[str, int]
     ) -> torch.Tensor:
         """logits [S, V] -> the disallowed tokens of the rows with a grammar at -inf. Each
-        grammar first takes the tokens it has not seen: under async scheduling, the last one
-        is read from the step in flight (it was sampled before this step's forward pass, so
-        the wait is short, and this step's forward pass runs meanwhile)."""
+        grammar first takes the tokens it has not seen (the last one maybe from `pending`)."""
         rows = [i for i, seq in enumerate(sampling) if seq.grammar is not None]
-        inflight_tokens = None
         for i in rows:
-            seq = sampling[i]
-            pending = None
-            if seq.output_token_ids and seq.output_token_ids[-1] == PENDING_TOKEN:
-                if inflight_tokens is None:
-                    inflight_tokens = inflight.read_tokens()
-                pending = inflight_tokens[inflight.row_of[seq.request_id]]
-            seq.grammar.advance(seq.output_token_ids, pending)
+            sampling[i].grammar.advance(sampling[i].output_token_ids, pending.get(sampling[i].request_id))
         return self.grammar_masks.apply(logits, rows, [sampling[i].grammar for i in rows])
 
     def _commit(self, launched: LaunchedStep) -> list[RequestOutput]:
@@ -543,20 +539,38 @@ class LLMEngine:
             torch.cuda.empty_cache()
 
 
+def _pending_tokens(sampling: list[Sequence], inflight: LaunchedStep | None) -> dict[str, int]:
+    """request id -> its last token, still in flight (async scheduling), for the sequences
+    whose next logits the host shapes from their last tokens (a grammar, bad words of several
+    tokens). Read from the step in flight: it was sampled before this step's forward pass,
+    so the wait is short, and this step's forward pass runs meanwhile."""
+    need = [
+        seq
+        for seq in sampling
+        if (seq.grammar is not None or any(len(ids) > 1 for ids in seq.bad_words_ids))
+        and seq.output_token_ids
+        and seq.output_token_ids[-1] == PENDING_TOKEN
+    ]
+    if not need:
+        return {}
+    tokens = inflight.read_tokens()
+    return {seq.request_id: tokens[inflight.row_of[seq.request_id]] for seq in need}
+
+
 def _sample_or_blame(
-    logits: torch.Tensor, seqs: list[Sequence], adjuster: LogitsAdjuster
+    logits: torch.Tensor, seqs: list[Sequence], adjuster: LogitsAdjuster, pending: dict[str, int]
 ) -> tuple[torch.Tensor, list[int], dict[int, Exception]]:
     """The rows' tokens on the device (logits [S, V], one row per sequence), the rows they
     are for, and the rows that failed. Should the batch fail, each row is sampled alone, so
     a request whose parameters break sampling fails alone instead of the whole step."""
     try:
-        return sample_on_device(adjuster.adjust(logits, seqs), seqs), list(range(len(seqs))), {}
+        return sample_on_device(adjuster.adjust(logits, seqs, pending), seqs), list(range(len(seqs))), {}
     except Exception:  # find the rows to blame below
         pass
     tokens, kept, errors = [], [], {}
     for i, seq in enumerate(seqs):
         try:
-            tokens.append(sample_on_device(adjuster.adjust(logits[i : i + 1], [seq]), [seq]))
+            tokens.append(sample_on_device(adjuster.adjust(logits[i : i + 1], [seq], pending), [seq]))
             kept.append(i)
         except Exception as e:
             errors[i] = e

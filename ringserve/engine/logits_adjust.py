@@ -1,5 +1,6 @@
 """Per-request adjustments of the logits before sampling, batched on the device: logit_bias,
-min_tokens, and the presence, frequency and repetition penalties, with vLLM's meanings.
+min_tokens, bad_words, and the presence, frequency and repetition penalties, with vLLM's
+meanings.
 
 The penalties need how often each token was generated. The host cannot count it under async
 scheduling: a sequence's last token is still on the device when the next step is sampled.
@@ -30,9 +31,11 @@ class LogitsAdjuster:
         self.counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)  # [slots, V]
         self.in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)  # [slots, V]
 
-    def adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def adjust(self, logits: torch.Tensor, seqs: list[Sequence], pending: dict[str, int]) -> torch.Tensor:
         """logits [S, V] float32, one row per sequence -> the adjusted logits (a new tensor
-        when some row is adjusted; the raw ones stay for logprobs)."""
+        when some row is adjusted; the raw ones stay for logprobs). pending: request id -> the
+        token still in flight at the end of its output, for the sequences whose bad words
+        span several tokens (the host must see their last tokens)."""
         rows = [i for i, seq in enumerate(seqs) if seq.params.adjusts_logits]
         if not rows:
             return logits
@@ -53,6 +56,12 @@ class LogitsAdjuster:
                 stops = [t for t in stops if 0 <= t < self.vocab_size]
                 ban_rows += [i] * len(stops)
                 ban_ids += stops
+            if seq.bad_words_ids:
+                banned = banned_by_bad_words(
+                    seq.bad_words_ids, seq.output_token_ids, pending.get(seq.request_id)
+                )
+                ban_rows += [i] * len(banned)
+                ban_ids += banned
             if p.penalized:
                 penalised.append(i)
         device = logits.device
@@ -141,6 +150,33 @@ class LogitsAdjuster:
         gone = [rid for rid, (seq, _) in self.slot_of.items() if alive.get(rid) is not seq]
         for request_id in gone:
             self.free.append(self.slot_of.pop(request_id)[1])
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids as it starts the text and, where that tokenizes differently
+    into as many tokens, after a space (mid-text), as vLLM finds them."""
+    found = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        found.append(alone)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            found.append(spaced)
+    return [ids for ids in found if ids]
+
+
+def banned_by_bad_words(bad_words_ids: list[list[int]], output: list[int], pending: int | None) -> list[int]:
+    """The tokens the next step may not draw: a bad word's last token, where the output ends
+    with the rest of it (a one-token word: always)."""
+    tail = output[-max(len(ids) for ids in bad_words_ids) :]
+    if pending is not None:
+        tail = [*tail[:-1], pending]  # the last token is still on the device
+    banned = []
+    for ids in bad_words_ids:
+        prefix = ids[:-1]
+        if not prefix or (len(tail) >= len(prefix) and tail[len(tail) - len(prefix) :] == prefix):
+            banned.append(ids[-1])
+    return banned
 
 
 def _ids(values, device: torch.device) -> torch.Tensor:

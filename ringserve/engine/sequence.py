@@ -64,6 +64,8 @@ class Sequence:
         # With params.structured_outputs: where its output stands in the grammar (the engine's
         # structured_output.Grammar), advanced as tokens are read.
         self.grammar = None
+        # With params.bad_words: each word's token ids (logits_adjust.bad_words_token_ids)
+        self.bad_words_ids: list[list[int]] = []
 
     @property
     def block_table(self) -> list[int]:

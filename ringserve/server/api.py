@@ -254,6 +254,7 @@ class Server:
                 logit_bias=_logit_bias(body.logit_bias),
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
+                bad_words=list(body.bad_words or []),
                 structured_outputs=structured_outputs,
             )
             self.engine.check_params(params)  # against the model too (vocabulary, context)

@@ -171,6 +171,8 @@ class SamplingFields(_Body):
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # bounded as the stop strings: each is matched against the output at every step
+    bad_words: Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     best_of: int | None = Field(None, ge=1)
     user: str | None = None
     # Structured output: OpenAI's response_format, vLLM's structured_outputs, or vLLM's

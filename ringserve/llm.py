@@ -58,7 +58,7 @@ class LLM:
     def _add(self, prompts: list, token_ids: list[list[int]], sampling_params) -> list[str]:
         """Queue one request per prompt; check them all first, so a bad one queues nothing."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.engine.default_params()] * len(prompts)
         elif not isinstance(sampling_params, (list, tuple)):
             raise RequestError(
                 f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"

@@ -136,6 +136,12 @@ class EngineOptions:
         None,
         "progress bars while converting a GGUF file and loading weights; default: when stderr is a terminal",
     )
+    generation_config: str = _opt(
+        "auto",
+        "where a request's default temperature, top_p, top_k, min_p, repetition_penalty and "
+        "max_tokens cap come from: auto (the model folder's generation_config.json, as vLLM), "
+        "vllm (none: vLLM's own defaults), or a folder holding a generation_config.json",
+    )
 
     def __post_init__(self):
         if isinstance(self.model, os.PathLike):
@@ -184,6 +190,9 @@ class EngineOptions:
         for name in ("async_scheduling", "show_progress"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise OptionError(name, f"must be True, False or None, got {getattr(self, name)!r}")
+        g = self.generation_config
+        if not isinstance(g, str) or not g or (g not in ("auto", "vllm") and not os.path.isdir(g)):
+            raise OptionError("generation_config", f"must be auto, vllm or a folder, got {g!r}")
         try:
             parallel = self.parallel_config()
         except ValueError as e:

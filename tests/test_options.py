@@ -51,6 +51,7 @@ REACHED = {
     "enforce_eager": lambda e, rec: rec["spec"].engine_config.enforce_eager,
     "async_scheduling": lambda e, rec: e.async_scheduling,
     "show_progress": lambda e, rec: rec["show_progress"],
+    "generation_config": lambda e, rec: e.options.generation_config,
 }
 
 
@@ -80,6 +81,7 @@ def non_default_values(model_dir: str) -> dict:
         enforce_eager=True,
         async_scheduling=False,
         show_progress=True,
+        generation_config="vllm",
     )
 
 
@@ -234,6 +236,7 @@ INVALID = {
     "enforce_eager": [1],
     "async_scheduling": ["on"],
     "show_progress": ["yes"],
+    "generation_config": ["", "/no/such/folder", 1],
 }
 INVALID_CASES = [(name, value) for name, values in INVALID.items() for value in values]
 

@@ -27,6 +27,7 @@ from ringserve.engine.launched_step import LaunchedStep
 from ringserve.engine.loading import (
     check_parallel_layout,
     eos_token_ids,
+    generation_defaults,
     load_tokenizer,
     resolve_device,
     resolve_model_path,
@@ -120,6 +121,7 @@ class LLMEngine:
         self.executor = start_executor(spec, self.device, self.show_progress, weights)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, config, self.tokenizer)
+        self.sampling_defaults = generation_defaults(options.generation_config, self.model_path)
         self.logits_adjuster = LogitsAdjuster(config.vocab_size, self.device, self.eos_token_ids)
         self.grammar_compiler = GrammarCompiler(self.tokenizer, config.vocab_size, self.eos_token_ids)
         self.grammar_masks = GrammarMasks(config.vocab_size, self.device)
@@ -231,7 +233,7 @@ class LLMEngine:
 
         prompt_token_ids: the prompt already tokenised (prompt then only labels the output).
         """
-        params = params or SamplingParams()
+        params = params or self.default_params()
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt, chat)
         self.check_prompt(token_ids)
         self.check_params(params)
@@ -249,6 +251,18 @@ class LLMEngine:
             self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, seq)
         self.scheduler.add(seq)
         return request_id
+
+    def default_params(self, **given) -> SamplingParams:
+        """SamplingParams with the model's recommended defaults (generation_config.json) where
+        `given` leaves a field unset (None); max_tokens capped by the recommended one."""
+        values = {**self.sampling_defaults, **{k: v for k, v in given.items() if v is not None}}
+        if (
+            "max_tokens" in given
+            and given["max_tokens"] is not None
+            and "max_tokens" in self.sampling_defaults
+        ):
+            values["max_tokens"] = min(given["max_tokens"], self.sampling_defaults["max_tokens"])
+        return SamplingParams(**values)
 
     def check_prompt(self, token_ids: list[int]) -> None:
         """A prompt this engine can serve (request_checks.py); RequestError says why not."""

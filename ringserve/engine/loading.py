@@ -100,6 +100,33 @@ def load_tokenizer(folder: str):
     return AutoTokenizer.from_pretrained(folder)
 
 
+# generation_config.json's keys that set a request's defaults (vLLM's list), and their names here
+GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(source: str, model_folder: str) -> dict:
+    """The sampling defaults a model's creator recommends, from generation_config.json (source:
+    auto, the model's folder; vllm, none; or a folder): SamplingParams field -> value. A
+    request's own value wins; max_tokens caps even a request's own, as in vLLM."""
+    folder = None if source == "vllm" else model_folder if source == "auto" else source
+    path = os.path.join(folder, "generation_config.json") if folder else None
+    if path is None or not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        config = json.load(f)
+    found = {ours: config[key] for key, ours in GENERATION_DEFAULTS.items() if config.get(key) is not None}
+    if found:
+        logger.info("default sampling parameters from %s: %s (a request's own values win)", path, found)
+    return found
+
+
 def eos_token_ids(folder: str, config: ModelConfig, tokenizer) -> set[int]:
     """EOS ids from config.json, generation_config.json and the tokenizer, together."""
     ids = set(config.eos_token_ids)

@@ -235,11 +235,14 @@ class Server:
         if seed is not None and index:
             seed += index  # n > 1: each choice its own stream of random numbers, as vLLM
         try:
-            params = SamplingParams(
+            # unset fields take the model's recommended defaults (generation_config.json), as vLLM
+            params = self.engine.default_params(
                 max_tokens=max_tokens,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=body.top_k or 0,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                min_p=body.min_p,
+                repetition_penalty=body.repetition_penalty,
                 seed=seed,
                 stop=body.stop,
                 stop_token_ids=list(body.stop_token_ids or []),
@@ -248,8 +251,6 @@ class Server:
                 prompt_logprobs=prompt_logprobs,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-                min_p=body.min_p or 0.0,
                 min_tokens=body.min_tokens,
                 logit_bias=_logit_bias(body.logit_bias),
                 include_stop_str_in_output=body.include_stop_str_in_output,

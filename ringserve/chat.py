@@ -7,6 +7,7 @@ knows: system, user, assistant, ...) and a "content" (a string, or OpenAI's list
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 from ringserve.errors import RequestError
@@ -62,6 +63,14 @@ def _text(content, at: str) -> str:
     raise RequestError(
         f"{at}['content'] must be a string (or a list of text parts), got {type(content).__name__}"
     )
+
+
+def read_template(template: str | None) -> str | None:
+    """A chat template given as a file (read here) or as the template itself (--chat-template)."""
+    if template is not None and os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            return f.read()
+    return template
 
 
 def render(

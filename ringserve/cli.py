@@ -106,7 +106,6 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
         "--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens up to this mass"
     )
     group.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
-    group.add_argument("--seed", type=int, default=None, help="sampling seed: same seed, same output")
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
@@ -131,7 +130,6 @@ def sampling_params(args):
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        seed=args.seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
@@ -249,7 +247,7 @@ def _generate(args) -> int:
         chat = (
             not args.no_chat
             and llm.tokenizer is not None
-            and bool(getattr(llm.tokenizer, "chat_template", None))
+            and bool(llm.engine.chat_template or getattr(llm.tokenizer, "chat_template", None))
         )
         start = time.perf_counter()
         first_token = None

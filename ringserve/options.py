@@ -136,6 +136,17 @@ class EngineOptions:
         None,
         "progress bars while converting a GGUF file and loading weights; default: when stderr is a terminal",
     )
+    tokenizer: str | None = _opt(
+        None, "tokenizer folder (its tokenizer files and chat template); default: the model's"
+    )
+    chat_template: str | None = _opt(
+        None, "chat template: a Jinja file, or the template itself; default: the tokenizer's own"
+    )
+    seed: int | None = _opt(
+        None,
+        "seed of the sampling seeds that requests without one are given, in the order they "
+        "come (vLLM's --seed); default: a new one each start",
+    )
     generation_config: str = _opt(
         "auto",
         "where a request's default temperature, top_p, top_k, min_p, repetition_penalty and "
@@ -190,6 +201,18 @@ class EngineOptions:
         for name in ("async_scheduling", "show_progress"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise OptionError(name, f"must be True, False or None, got {getattr(self, name)!r}")
+        if self.tokenizer is not None and (
+            not isinstance(self.tokenizer, str) or not os.path.isdir(self.tokenizer)
+        ):
+            raise OptionError("tokenizer", f"must be a folder, got {self.tokenizer!r}")
+        if self.chat_template is not None and (
+            not isinstance(self.chat_template, str) or not self.chat_template
+        ):
+            raise OptionError("chat_template", f"must be a file or a template, got {self.chat_template!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0
+        ):
+            raise OptionError("seed", f"must be an integer >= 0, got {self.seed!r}")
         g = self.generation_config
         if not isinstance(g, str) or not g or (g not in ("auto", "vllm") and not os.path.isdir(g)):
             raise OptionError("generation_config", f"must be auto, vllm or a folder, got {g!r}")

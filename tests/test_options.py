@@ -51,11 +51,14 @@ REACHED = {
     "enforce_eager": lambda e, rec: rec["spec"].engine_config.enforce_eager,
     "async_scheduling": lambda e, rec: e.async_scheduling,
     "show_progress": lambda e, rec: rec["show_progress"],
+    "tokenizer": lambda e, rec: e.tokenizer.name_or_path,
+    "chat_template": lambda e, rec: e.chat_template,
+    "seed": lambda e, rec: e.seed_rng.initial_seed(),
     "generation_config": lambda e, rec: e.options.generation_config,
 }
 
 
-def non_default_values(model_dir: str) -> dict:
+def non_default_values(model_dir: str, tokenizer_dir: str = "tok") -> dict:
     """A value for every option that differs from its default (a MoE model, so ep can be > 1)."""
     return dict(
         model=model_dir,
@@ -81,6 +84,9 @@ def non_default_values(model_dir: str) -> dict:
         enforce_eager=True,
         async_scheduling=False,
         show_progress=True,
+        tokenizer=tokenizer_dir,
+        chat_template="{{ messages[0]['content'] }}",
+        seed=1234,
         generation_config="vllm",
     )
 
@@ -151,8 +157,8 @@ def test_configs_take_their_fields_from_the_options():
     assert list(inspect.signature(LLM.__init__).parameters) == ["self", "model", "options"]
 
 
-def test_every_option_reaches_the_engine_from_llm(tiny_model_dir, engines):
-    values = non_default_values(tiny_model_dir("qwen3_moe"))
+def test_every_option_reaches_the_engine_from_llm(tiny_model_dir, builtin_dir, engines):
+    values = non_default_values(tiny_model_dir("qwen3_moe"), builtin_dir)
     with pytest.raises(_Stop):
         LLM(**values)
     engine, rec = engines[-1]
@@ -163,8 +169,8 @@ def test_every_option_reaches_the_engine_from_llm(tiny_model_dir, engines):
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["serve", "--port", "0"]])
-def test_every_option_reaches_the_engine_from_the_command_line(tiny_model_dir, engines, command):
-    values = non_default_values(tiny_model_dir("qwen3_moe"))
+def test_every_option_reaches_the_engine_from_the_command_line(tiny_model_dir, builtin_dir, engines, command):
+    values = non_default_values(tiny_model_dir("qwen3_moe"), builtin_dir)
     with pytest.raises(_Stop):
         main([*command, *cli_args(values)])
     engine, rec = engines[-1]
@@ -236,6 +242,9 @@ INVALID = {
     "enforce_eager": [1],
     "async_scheduling": ["on"],
     "show_progress": ["yes"],
+    "tokenizer": ["/no/such/folder", ""],
+    "chat_template": [""],
+    "seed": [-1, 1.5],
     "generation_config": ["", "/no/such/folder", 1],
 }
 INVALID_CASES = [(name, value) for name, values in INVALID.items() for value in values]

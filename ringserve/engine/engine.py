@@ -119,7 +119,10 @@ class LLMEngine:
             options.timeout_s,
         )
         self.executor = start_executor(spec, self.device, self.show_progress, weights)
-        self.tokenizer = load_tokenizer(self.model_path)
+        self.tokenizer = load_tokenizer(options.tokenizer or self.model_path)
+        self.chat_template = chat.read_template(options.chat_template)
+        # the sampling seeds of unseeded requests, from --seed when given (reproducible runs)
+        self.seed_rng = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
         self.eos_token_ids = eos_token_ids(self.model_path, config, self.tokenizer)
         self.sampling_defaults = generation_defaults(options.generation_config, self.model_path)
         self.logits_adjuster = LogitsAdjuster(config.vocab_size, self.device, self.eos_token_ids)
@@ -210,7 +213,7 @@ class LLMEngine:
             self.tokenizer,
             messages,
             self.model_path,
-            chat_template=chat_template,
+            chat_template=chat_template or self.chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
         )
@@ -240,7 +243,9 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, token_ids, params, prompt if isinstance(prompt, str) else None)
+        seq = Sequence(
+            request_id, token_ids, params, prompt if isinstance(prompt, str) else None, self.seed_rng
+        )
         if params.structured_outputs is not None:
             seq.grammar = self.grammar_compiler.matcher(params.structured_outputs)
         if params.bad_words:

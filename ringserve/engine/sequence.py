@@ -10,11 +10,12 @@ from ringserve.outputs import TokenLogprob
 from ringserve.sampling_params import SamplingParams
 
 
-def _draw_seed(params: SamplingParams) -> int:
-    """A random 63-bit seed for an unseeded sampled request; greedy ones never use it."""
+def _draw_seed(params: SamplingParams, rng: torch.Generator | None) -> int:
+    """A random 63-bit seed for an unseeded sampled request (from rng, else torch's global
+    generator); greedy ones never use it."""
     if params.greedy:
         return 0
-    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64, generator=rng))
 
 
 # Stands in a sequence's token list for a token sampled on the device but not read yet
@@ -29,7 +30,14 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt=None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt=None,
+        seed_rng: torch.Generator | None = None,
+    ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -52,7 +60,7 @@ class Sequence:
         self.text = ""
         # The request's sampling RNG key (with its step count): its own seed, or one drawn once
         # here from torch's global RNG, so no neighbour in a batch can change its draws.
-        self.sampling_seed: int = params.seed if params.seed is not None else _draw_seed(params)
+        self.sampling_seed: int = params.seed if params.seed is not None else _draw_seed(params, seed_rng)
         # With params.prompt_logprobs: each prompt token's log-probability, filled as the
         # prefill chunks run (entry i comes from the logits at position i - 1; the first
         # token has none). Positions already scored are not scored again after a preemption.

@@ -726,15 +726,67 @@ def test_bad_chat_requests_through_the_client(live):
     assert _wait_idle(live)
 
 
-def test_unknown_fields_are_ignored_as_vllm_does(live):
-    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "best_of_all": 3}
-    r = _post(live, "/v1/completions", body)
+# Fields of OpenAI's or vLLM's requests that ringserve does not implement: each must be
+# refused by name, never answered as if it had been honoured.
+UNSUPPORTED = [
+    ("/v1/completions", "truncate_prompt_tokens", 8),  # vLLM
+    ("/v1/completions", "allowed_token_ids", [1, 2]),  # vLLM
+    ("/v1/completions", "best_of_all", 3),  # nobody's
+    ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),  # OpenAI
+    ("/v1/chat/completions", "modalities", ["text", "audio"]),
+    ("/v1/chat/completions", "prediction", {"type": "content", "content": "Paris"}),
+    ("/v1/chat/completions", "reasoning_effort", "low"),
+    ("/v1/chat/completions", "web_search_options", {}),
+    ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": False}),  # vLLM
+    ("/v1/chat/completions", "bad_words", ["Paris"]),
+]
+
+
+@pytest.mark.parametrize("path,field,value", UNSUPPORTED, ids=[f for _, f, _ in UNSUPPORTED])
+def test_unsupported_fields_are_refused_by_name(live, path, field, value):
+    body = {"max_tokens": 2, field: value}
+    body.update({"prompt": "Hi"} if path == "/v1/completions" else {"messages": HI})
+    r = _post(live, path, body)
+    _assert_refused(live, r, 400, field)
+    assert "does not support" in r.json()["error"]["message"]
+
+
+def test_every_unsupported_field_is_named_nested_ones_by_path(live):
+    body = {"messages": [{**HI[0], "mood": "calm"}], "max_tokens": 2, "x": 1, "y": "z"}
+    r = _post(live, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert all(f"{where}: " in message for where in ("messages.0.mood", "x", "y")), message
+    r = _post(live, "/v1/completions", {"prompt": "Hi", "stream": True, "stream_options": {"continuous": 1}})
+    _assert_refused(live, r, 400, "stream_options.continuous")
+
+
+def test_metadata_fields_are_accepted_and_change_nothing(live):
+    kw = {"messages": HI, "max_tokens": 4, "temperature": 0}
+    expected = _post(live, "/v1/chat/completions", kw).json()["choices"][0]["message"]["content"]
+    labels = {
+        "user": "u-1",
+        "metadata": {"team": "search", "run": "7"},
+        "store": False,
+        "service_tier": "auto",
+        "safety_identifier": "hash-of-user",
+        "prompt_cache_key": "tenant-3",
+    }
+    # null is an unset field in OpenAI's API: clients echo messages with such nulls
+    assistant = {"role": "assistant", "content": "Hello!", "tool_calls": None, "refusal": None}
+    r = _post(live, "/v1/chat/completions", {**kw, **labels, "tools": None})
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == _alone(live, "The capital of France is", 4)
-    r = _post(
-        live, "/v1/chat/completions", {"messages": [{**HI[0], "mood": "calm"}], "max_tokens": 2, "x": 1}
-    )
+    assert r.json()["choices"][0]["message"]["content"] == expected
+    r = _post(live, "/v1/chat/completions", {**kw, "messages": [*HI, assistant, *HI]})
     assert r.status_code == 200, r.text
+    # through the official client, as an application labels its requests
+    out = live.client.chat.completions.create(model=NAME, **kw, user="u-1", metadata={"a": "b"}, store=False)
+    assert out.choices[0].message.content == expected
+    # values that would ask for something ringserve does not do are refused, naming the field
+    for field, value in (("store", True), ("service_tier", "priority"), ("metadata", {"k": 1})):
+        _assert_refused(live, _post(live, "/v1/chat/completions", {**kw, field: value}), 400, field)
+    many = {str(i): "v" for i in range(17)}  # OpenAI's bound: 16 pairs
+    _assert_refused(live, _post(live, "/v1/chat/completions", {**kw, "metadata": many}), 400, "metadata")
 
 
 def test_sampling_controls_reach_the_engine(live):

@@ -41,7 +41,7 @@ from ringserve.engine.sequence import PENDING_TOKEN, Sequence
 from ringserve.engine.step_input import StepInput
 from ringserve.engine.structured_output import GrammarCompiler, GrammarMasks
 from ringserve.errors import RequestError, RequestTooLargeError
-from ringserve.options import EngineOptions
+from ringserve.options import EngineOptions, OptionError
 from ringserve.outputs import RequestOutput, TokensSoFar
 from ringserve.sampling_params import SamplingParams
 
@@ -106,6 +106,15 @@ class LLMEngine:
         check_parallel_layout(config, parallel, self.device)  # before any process or weight
         self.dtype = resolve_dtype(options.dtype, config.dtype, self.device)
         self.max_model_len = ec.max_model_len or config.max_position_embeddings
+        context = config.context_length
+        if self.max_model_len > context and not options.allow_long_max_model_len:
+            # refused as vLLM refuses it: RoPE past the trained positions gives garbage, not an error
+            raise OptionError(
+                "max_model_len",
+                f"max_model_len {self.max_model_len} is longer than the model's context ({context} "
+                f"tokens, from {self.model_path}'s config.json); positions past it were never trained. "
+                "To run it anyway, set allow_long_max_model_len (--allow-long-max-model-len)",
+            )
         spec = WorkerSpec(
             self.model_path,
             config,

@@ -50,6 +50,10 @@ MAX_BODY_BYTES = 64 * 2**20
 LISTEN_BACKLOG = 2048
 
 
+# What an undeclared request field is told (protocol._Body says why it is refused).
+UNSUPPORTED_FIELD = "ringserve does not support this field (leave it out, or null)"
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
@@ -731,7 +735,11 @@ def build_app(
             for err in errors:
                 where = [str(x) for x in err.get("loc", ()) if x != "body"]
                 field = where[0] if where else "body"
-                by_field.setdefault(field, f"{'.'.join(where) or 'body'}: {err.get('msg')}")
+                text = err.get("msg")
+                if err.get("type") == "extra_forbidden":  # a field the models do not declare
+                    field = ".".join(where)  # each one named, nested ones by their path
+                    text = UNSUPPORTED_FIELD
+                by_field.setdefault(field, f"{'.'.join(where) or 'body'}: {text}")
             message = "; ".join(by_field.values())
             param = next(iter(by_field))
         return _error_response(400, message, param)

@@ -9,6 +9,7 @@ KV cache) on a tiny random model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -1463,43 +1464,141 @@ def test_scheduler_drops_a_request_larger_than_the_cache():
 # SIGTERM ------------------------------------------------------------------------------------
 
 
-def test_sigterm_ends_in_flight_requests_and_exits_0(tmp_path):
+@contextlib.contextmanager
+def _served(tmp_path, *flags: str):
+    """`ringserve serve` on the built-in model on the CPU as a subprocess: (process, URL, a
+    function that reads its log); killed on exit if it is still running."""
     port = free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ringserve.cli", "serve", "--device", "cpu", "--dtype", "float32"]
-        + ["--port", str(port), "--max-model-len", "256"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        body = {"prompt": "Count:", "max_tokens": 24, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: {")
-            proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]"  # the in-flight request ended normally
-        assert sum(1 for line in rest if line.startswith("data: {")) == 23
-        assert proc.wait(timeout=10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ringserve.cli", "serve", "--device", "cpu", "--dtype", "float32"]
+            + ["--port", str(port), "--max-model-len", "512", *flags],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 90
+            while True:
+                assert proc.poll() is None, log_path.read_text()
+                assert time.monotonic() < deadline, "the server did not come up"
+                try:
+                    if httpx.get(url + "/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.2)
+            yield proc, url, log_path.read_text
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
-@pytest.mark.parametrize("flag,value", [("--max-waiting", "0"), ("--port", "-1"), ("--port", "70000")])
+class _Streams:
+    """Streamed requests, each read on a thread of its own into a list of its `data:` lines."""
+
+    def __init__(self, url: str, bodies: list[tuple[str, dict]]):
+        self.lines: list[list[str]] = [[] for _ in bodies]
+        self.threads = [
+            threading.Thread(target=self._read, args=(url + path, body, lines), daemon=True)
+            for (path, body), lines in zip(bodies, self.lines)
+        ]
+        for t in self.threads:
+            t.start()
+
+    @staticmethod
+    def _read(url: str, body: dict, lines: list[str]) -> None:
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+            assert r.status_code == 200
+            lines.extend(line for line in r.iter_lines() if line)
+
+    def wait_started(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(self.lines):
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.05)
+
+    def join(self, timeout: float = 120) -> None:
+        for t in self.threads:
+            t.join(timeout)
+            assert not t.is_alive(), "a stream did not end"
+
+
+def _draining(url: str, timeout: float = 10) -> None:
+    """Until /health says the server is shutting down (the signal was handled)."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(url + "/health").status_code != 503:
+        assert time.monotonic() < deadline, "the server did not start draining"
+        time.sleep(0.02)
+
+
+def test_sigterm_finishes_every_stream_in_flight_and_refuses_new_requests(tmp_path):
+    """20 streams in flight at SIGTERM all end as they would have (every token, then
+    [DONE]); requests that come during the drain get a 503; the server then exits 0."""
+    n, max_tokens = 20, 16  # a 2-core CI machine runs 20 streams at a few tokens a second
+    body = {"prompt": "Count:", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    with _served(tmp_path) as (proc, url, log):
+        streams = _Streams(url, [("/v1/completions", body)] * n)
+        streams.wait_started()
+        proc.send_signal(signal.SIGTERM)
+        _draining(url)
+        late = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert late.status_code == 503, late.text
+        error = late.json()["error"]
+        assert error["code"] == 503 and "shutting down" in error["message"]
+        streams.join()
+        assert proc.wait(timeout=30) == 0, log()[-3000:]
+        assert "Traceback" not in log() and "Cancel" not in log(), log()[-3000:]
+    for lines in streams.lines:
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line[6:]) for line in lines[:-1]]
+        assert all("error" not in c for c in chunks), chunks[-1]
+        assert sum(len(c["choices"]) for c in chunks) == max_tokens  # one token per chunk
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_requests_still_running_at_the_shutdown_timeout_end_with_an_openai_error(tmp_path):
+    long = {"max_tokens": 480, "ignore_eos": True}
+    with _served(tmp_path, "--shutdown-timeout", "1") as (proc, url, log):
+        streams = _Streams(
+            url,
+            [
+                ("/v1/completions", {"prompt": "Count:", **long}),
+                ("/v1/chat/completions", {"messages": HI, **long}),
+            ],
+        )
+        result = {}
+
+        def plain():  # not streamed: its answer is one error body
+            result["r"] = httpx.post(url + "/v1/completions", json={"prompt": "Go:", **long}, timeout=60)
+
+        thread = threading.Thread(target=plain, daemon=True)
+        thread.start()
+        streams.wait_started()
+        time.sleep(0.3)  # the plain request is admitted too
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        streams.join()
+        thread.join(60)
+        assert proc.wait(timeout=30) == 0, log()[-3000:]
+        assert time.monotonic() - signalled < 1 + 20  # the timeout, then the cut and the exit
+    for lines in streams.lines:
+        assert lines[-1] == "data: [DONE]"  # the stream still ends as streams end
+        error = json.loads(lines[-2][6:])["error"]
+        assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"
+        assert "shut down before the request finished" in error["message"]
+        assert "--shutdown-timeout 1 s" in error["message"]
+    r = result["r"]
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json", r.text
+    assert r.json()["error"]["code"] == 503 and "shut down" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [("--max-waiting", "0"), ("--port", "-1"), ("--port", "70000"), ("--shutdown-timeout", "-1")],
+)
 def test_serve_refuses_bad_server_flags(flag, value, capsys):
     from ringserve.cli import main
 

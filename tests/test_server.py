@@ -762,6 +762,17 @@ def test_every_unsupported_field_is_named_nested_ones_by_path(live):
     _assert_refused(live, r, 400, "stream_options.continuous")
 
 
+def test_a_message_name_reaches_the_chat_template(live, monkeypatch):
+    seen = []
+    chat_prompt = live.engine.chat_prompt
+    monkeypatch.setattr(
+        live.engine, "chat_prompt", lambda messages: seen.append(messages) or chat_prompt(messages)
+    )
+    body = {"messages": [{"role": "user", "content": "hi", "name": "ada"}, *HI], "max_tokens": 2}
+    assert _post(live, "/v1/chat/completions", body).status_code == 200
+    assert seen[-1][0]["name"] == "ada" and "name" not in seen[-1][1]
+
+
 def test_metadata_fields_are_accepted_and_change_nothing(live):
     kw = {"messages": HI, "max_tokens": 4, "temperature": 0}
     expected = _post(live, "/v1/chat/completions", kw).json()["choices"][0]["message"]["content"]

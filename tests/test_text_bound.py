@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from ringserve.engine.loading import load_tokenizer
@@ -92,5 +92,8 @@ def test_bound_per_tokenizer_kind():
     assert chars_per_token(_fast(_bpe(), normalizers.Replace("x", ""), byte_level)) is None
     assert chars_per_token(_fast(_bpe(), None, pre_tokenizers.Whitespace())) is None
     assert chars_per_token(_fast(_bpe(unk_token="[UNK]", fuse_unk=True), None, byte_level)) is None
+    stripping = _fast(_bpe(), None, byte_level)
+    stripping.add_special_tokens({"additional_special_tokens": [AddedToken("<m>", lstrip=True)]})
+    assert chars_per_token(stripping) is None
     wordpiece = models.WordPiece(vocab=dict(VOCAB), unk_token="[UNK]")
     assert chars_per_token(_fast(wordpiece, None, pre_tokenizers.Whitespace())) is None

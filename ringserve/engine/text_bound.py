@@ -16,8 +16,9 @@ needs more than N tokens.
 
 That holds only where no part of the text can vanish or be swallowed whole: a normalizer
 that strips accents or control characters, a pre-tokenizer that drops what it splits on
-(BERT's whitespace), a model that fuses a run of unknown characters into one token, or a
-vocabulary other than BPE's (WordPiece's [UNK] for a whole word). For such tokenizers no
+(BERT's whitespace), a model that fuses a run of unknown characters into one token, an added
+token that takes the whitespace beside it (lstrip / rstrip), or a vocabulary other than
+BPE's (WordPiece's [UNK] for a whole word). For such tokenizers no
 bound is given (None) and prompts are tokenized whole, as before.
 """
 
@@ -87,9 +88,12 @@ def chars_per_token(tokenizer) -> float | None:
     pre_tokenizer = _state(backend.pre_tokenizer)
     if shrink is None or not _keeps_every_byte(pre_tokenizer):
         return None
-    byte_level = "ByteLevel" in json.dumps(pre_tokenizer)  # its symbols are bytes, one each
     added = set(backend.get_added_tokens_decoder().values())
-    longest = 0
+    if any(token.lstrip or token.rstrip for token in added):  # it takes the spaces beside it, any number
+        return None
+    byte_level = "ByteLevel" in json.dumps(pre_tokenizer)  # its symbols are bytes, one each
+    # an unknown character is one unknown token (not fused: checked above), whatever its name
+    longest = 4 if model.unk_token else 0
     for token in backend.get_vocab(with_added_tokens=False):
         longest = max(longest, len(token) if byte_level else len(token.encode()))
     for token in added:  # matched in the raw text before normalization: their own bytes

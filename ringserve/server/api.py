@@ -567,7 +567,11 @@ class Server:
         self.check_request(body)
         if body.top_logprobs and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        # name goes to the chat template, which shows it to the model as its authors chose (as vLLM)
+        messages = [
+            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+            for m in body.messages
+        ]
 
         try:
             _, token_ids = await self.off_loop(self.engine.chat_prompt, messages)

@@ -1570,9 +1570,13 @@ def test_sigterm_finishes_every_stream_in_flight_and_refuses_new_requests(tmp_pa
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_requests_still_running_at_the_shutdown_timeout_end_with_an_openai_error(tmp_path):
+@pytest.mark.parametrize("cut", ["timeout", "second signal"])
+def test_requests_still_running_at_the_shutdown_timeout_end_with_an_openai_error(tmp_path, cut):
+    """Cut by --shutdown-timeout, or, without one, by a second signal (Ctrl-C again)."""
     long = {"max_tokens": 480, "ignore_eos": True}
-    with _served(tmp_path, "--shutdown-timeout", "1") as (proc, url, log):
+    flags = ["--shutdown-timeout", "1"] if cut == "timeout" else []
+    why = "--shutdown-timeout 1 s passed" if cut == "timeout" else "a second stop signal"
+    with _served(tmp_path, *flags) as (proc, url, log):
         streams = _Streams(
             url,
             [
@@ -1591,16 +1595,21 @@ def test_requests_still_running_at_the_shutdown_timeout_end_with_an_openai_error
         time.sleep(0.3)  # the plain request is admitted too
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        if cut == "second signal":
+            _draining(url)
+            time.sleep(1)  # the requests go on meanwhile, however long they take
+            assert all(not lines[-1].startswith("data: [DONE]") for lines in streams.lines)
+            proc.send_signal(signal.SIGINT)
         streams.join()
         thread.join(60)
         assert proc.wait(timeout=30) == 0, log()[-3000:]
-        assert time.monotonic() - signalled < 1 + 20  # the timeout, then the cut and the exit
+        assert time.monotonic() - signalled < 2 + 20  # the timeout (or wait), the cut, the exit
     for lines in streams.lines:
         assert lines[-1] == "data: [DONE]"  # the stream still ends as streams end
         error = json.loads(lines[-2][6:])["error"]
         assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"
         assert "shut down before the request finished" in error["message"]
-        assert "--shutdown-timeout 1 s" in error["message"]
+        assert why in error["message"]
     r = result["r"]
     assert r.status_code == 503 and r.headers["content-type"] == "application/json", r.text
     assert r.json()["error"]["code"] == 503 and "shut down" in r.json()["error"]["message"]

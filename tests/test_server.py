@@ -739,7 +739,7 @@ UNSUPPORTED = [
     ("/v1/chat/completions", "reasoning_effort", "low"),
     ("/v1/chat/completions", "web_search_options", {}),
     ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": False}),  # vLLM
-    ("/v1/chat/completions", "bad_words", ["Paris"]),
+    ("/v1/chat/completions", "use_beam_search", True),
 ]
 
 

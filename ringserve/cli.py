@@ -153,7 +153,8 @@ def _add_serve_parser(sub) -> None:
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API",
         description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, "
-        "/health, /version, /metrics. SIGTERM or Ctrl-C ends in-flight requests and exits 0.",
+        "/health, /version, /metrics. SIGTERM or Ctrl-C finishes the requests in flight (see "
+        "--shutdown-timeout) and exits 0.",
     )
     add_model_positional(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
@@ -173,6 +174,15 @@ def _add_serve_parser(sub) -> None:
     )
     serve.add_argument(
         "--max-waiting", type=int, default=1024, help="requests waiting for their first token; beyond: 503"
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, how long to let the requests in flight finish (new ones get 503) "
+        "before cutting them with an error; default: as long as they take (a second signal cuts "
+        "them at once); 0: cut them at once, as vLLM's --shutdown-timeout 0 (its default)",
     )
     add_cli_args(serve)
 
@@ -198,6 +208,12 @@ def _serve(args) -> int:
             allowed = f"{low} or more" if high is None else f"in {low}..{high}"
             print(f"error: argument {flag}: must be {allowed}, got {value}", file=sys.stderr)
             return 2
+    timeout = args.shutdown_timeout
+    if timeout is not None and not 0 <= timeout < float("inf"):
+        print(
+            f"error: argument --shutdown-timeout: must be 0 or more seconds, got {timeout}", file=sys.stderr
+        )
+        return 2
     problem = take_model_positional(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -224,6 +240,7 @@ def _serve(args) -> int:
         args.api_key,
         args.max_waiting,
         log_level,
+        shutdown_timeout_s=timeout,
         access_log=args.access_log,
     )
 

@@ -243,6 +243,22 @@ class ModelConfig:
         return config
 
     @property
+    def context_length(self) -> int:
+        """The longest sequence the model was made for: max_position_embeddings, or, for a
+        YaRN RoPE, its original length times its factor when that is longer (as vLLM derives
+        it: a config can extend a model by YaRN without raising max_position_embeddings)."""
+        length = self.max_position_embeddings
+        hf = self.hf_config
+        params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+        ropes = [params.get(t) or {} for t in set(self.rope_layer_types)] or [params]
+        for rope in ropes:
+            kind = rope.get("rope_type", rope.get("type"))
+            original, factor = rope.get("original_max_position_embeddings"), rope.get("factor")
+            if kind == "yarn" and original and factor:
+                length = max(length, int(original * factor))
+        return length
+
+    @property
     def attention_scale(self) -> float:
         """The factor on q.k before the softmax."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5

@@ -110,6 +110,11 @@ class EngineOptions:
         "32K is 32768, as vLLM reads them; default: the model's context",
         cli_type="human_int",
     )
+    allow_long_max_model_len: bool = _opt(
+        False,
+        "take a max_model_len above the model's context (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1); "
+        "positions past the context were never trained, so what the model makes of them is unknown",
+    )
     max_num_batched_tokens: int = _opt(
         2048,
         "tokens computed per step while some sequence decodes (so its next token is not held "
@@ -195,7 +200,7 @@ class EngineOptions:
         u = self.gpu_memory_utilization
         if not _is_number(u) or not 0 < u <= 1:
             raise OptionError("gpu_memory_utilization", f"must be in (0, 1], got {u!r}")
-        for name in ("enable_prefix_caching", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enforce_eager", "allow_long_max_model_len"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(name, f"must be True or False, got {getattr(self, name)!r}")
         for name in ("async_scheduling", "show_progress"):

@@ -44,6 +44,7 @@ REACHED = {
     "kv_cache_memory": lambda e, rec: rec["spec"].engine_config.kv_cache_memory,
     "gpu_memory_utilization": lambda e, rec: rec["spec"].engine_config.gpu_memory_utilization,
     "max_model_len": lambda e, rec: e.max_model_len,
+    "allow_long_max_model_len": lambda e, rec: e.options.allow_long_max_model_len,
     "max_num_batched_tokens": lambda e, rec: e.scheduler.max_num_batched_tokens,
     "max_prefill_tokens": lambda e, rec: e.scheduler.max_prefill_tokens,
     "max_num_seqs": lambda e, rec: e.scheduler.max_num_seqs,
@@ -77,6 +78,7 @@ def non_default_values(model_dir: str, tokenizer_dir: str = "tok") -> dict:
         kv_cache_memory=1 << 20,
         gpu_memory_utilization=0.5,
         max_model_len=333,
+        allow_long_max_model_len=True,
         max_num_batched_tokens=99,
         max_prefill_tokens=199,
         max_num_seqs=7,
@@ -217,6 +219,32 @@ def test_unknown_option_names_the_close_matches():
         LLM(None, cp_algorithm="pass_q")
 
 
+def test_max_model_len_past_the_context_is_refused_unless_allowed(tiny_model_dir, engines, capsys):
+    folder = tiny_model_dir("llama")  # a context of 512 positions
+    with pytest.raises(ValueError, match=r"max_model_len 513 is longer than the model's context \(512"):
+        LLM(folder, device="cpu", max_model_len=513)
+    assert not engines  # refused before any rank or weight
+    argv = ["generate", "hi", "--model", folder, "--device", "cpu", "--max-model-len", "100000"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--allow-long-max-model-len" in err and "Traceback" not in err, err
+    for kwargs in (dict(max_model_len=512), dict(max_model_len=4096, allow_long_max_model_len=True)):
+        with pytest.raises(_Stop):  # built (then stopped by the fixture)
+            LLM(folder, device="cpu", **kwargs)
+        assert engines[-1][0].max_model_len == kwargs["max_model_len"]
+
+
+def test_yarn_context_is_its_original_length_times_its_factor(tiny_model_dir):
+    from ringserve.config import ModelConfig
+
+    config = ModelConfig.from_pretrained(tiny_model_dir("llama"))
+    hf = config.hf_config
+    hf.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+    assert config.context_length == 2048  # as vLLM derives it; max_position_embeddings says 512
+    hf.rope_parameters = {"rope_type": "linear", "factor": 4.0}
+    assert config.context_length == 512
+
+
 # option -> values that cannot work. A new option without one fails the coverage test below.
 INVALID = {
     "model": [""],
@@ -235,6 +263,7 @@ INVALID = {
     "kv_cache_memory": [0],
     "gpu_memory_utilization": [0, 1.5, -0.1],
     "max_model_len": [0, -5],
+    "allow_long_max_model_len": [1],
     "max_num_batched_tokens": [0, -1],
     "max_prefill_tokens": [0, 1],  # 1: below max_num_batched_tokens
     "max_num_seqs": [0, -1],
@@ -265,6 +294,7 @@ def test_invalid_option_is_a_value_error_naming_it(name, value):
 BOOLS = (
     "enable_prefix_caching",
     "enforce_eager",
+    "allow_long_max_model_len",
     "async_scheduling",
     "show_progress",
 )  # flags without a value

@@ -9,6 +9,7 @@ KV cache) on a tiny random model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -726,15 +727,78 @@ def test_bad_chat_requests_through_the_client(live):
     assert _wait_idle(live)
 
 
-def test_unknown_fields_are_ignored_as_vllm_does(live):
-    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "best_of_all": 3}
-    r = _post(live, "/v1/completions", body)
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == _alone(live, "The capital of France is", 4)
-    r = _post(
-        live, "/v1/chat/completions", {"messages": [{**HI[0], "mood": "calm"}], "max_tokens": 2, "x": 1}
+# Fields of OpenAI's or vLLM's requests that ringserve does not implement: each must be
+# refused by name, never answered as if it had been honoured.
+UNSUPPORTED = [
+    ("/v1/completions", "truncate_prompt_tokens", 8),  # vLLM
+    ("/v1/completions", "allowed_token_ids", [1, 2]),  # vLLM
+    ("/v1/completions", "best_of_all", 3),  # nobody's
+    ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),  # OpenAI
+    ("/v1/chat/completions", "modalities", ["text", "audio"]),
+    ("/v1/chat/completions", "prediction", {"type": "content", "content": "Paris"}),
+    ("/v1/chat/completions", "reasoning_effort", "low"),
+    ("/v1/chat/completions", "web_search_options", {}),
+    ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": False}),  # vLLM
+    ("/v1/chat/completions", "use_beam_search", True),
+]
+
+
+@pytest.mark.parametrize("path,field,value", UNSUPPORTED, ids=[f for _, f, _ in UNSUPPORTED])
+def test_unsupported_fields_are_refused_by_name(live, path, field, value):
+    body = {"max_tokens": 2, field: value}
+    body.update({"prompt": "Hi"} if path == "/v1/completions" else {"messages": HI})
+    r = _post(live, path, body)
+    _assert_refused(live, r, 400, field)
+    assert "does not support" in r.json()["error"]["message"]
+
+
+def test_every_unsupported_field_is_named_nested_ones_by_path(live):
+    body = {"messages": [{**HI[0], "mood": "calm"}], "max_tokens": 2, "x": 1, "y": "z"}
+    r = _post(live, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert all(f"{where}: " in message for where in ("messages.0.mood", "x", "y")), message
+    r = _post(live, "/v1/completions", {"prompt": "Hi", "stream": True, "stream_options": {"continuous": 1}})
+    _assert_refused(live, r, 400, "stream_options.continuous")
+
+
+def test_a_message_name_reaches_the_chat_template(live, monkeypatch):
+    seen = []
+    chat_prompt = live.engine.chat_prompt
+    monkeypatch.setattr(
+        live.engine, "chat_prompt", lambda messages: seen.append(messages) or chat_prompt(messages)
     )
+    body = {"messages": [{"role": "user", "content": "hi", "name": "ada"}, *HI], "max_tokens": 2}
+    assert _post(live, "/v1/chat/completions", body).status_code == 200
+    assert seen[-1][0]["name"] == "ada" and "name" not in seen[-1][1]
+
+
+def test_metadata_fields_are_accepted_and_change_nothing(live):
+    kw = {"messages": HI, "max_tokens": 4, "temperature": 0}
+    expected = _post(live, "/v1/chat/completions", kw).json()["choices"][0]["message"]["content"]
+    labels = {
+        "user": "u-1",
+        "metadata": {"team": "search", "run": "7"},
+        "store": False,
+        "service_tier": "auto",
+        "safety_identifier": "hash-of-user",
+        "prompt_cache_key": "tenant-3",
+    }
+    # null is an unset field in OpenAI's API: clients echo messages with such nulls
+    assistant = {"role": "assistant", "content": "Hello!", "tool_calls": None, "refusal": None}
+    r = _post(live, "/v1/chat/completions", {**kw, **labels, "tools": None})
     assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == expected
+    r = _post(live, "/v1/chat/completions", {**kw, "messages": [*HI, assistant, *HI]})
+    assert r.status_code == 200, r.text
+    # through the official client, as an application labels its requests
+    out = live.client.chat.completions.create(model=NAME, **kw, user="u-1", metadata={"a": "b"}, store=False)
+    assert out.choices[0].message.content == expected
+    # values that would ask for something ringserve does not do are refused, naming the field
+    for field, value in (("store", True), ("service_tier", "priority"), ("metadata", {"k": 1})):
+        _assert_refused(live, _post(live, "/v1/chat/completions", {**kw, field: value}), 400, field)
+    many = {str(i): "v" for i in range(17)}  # OpenAI's bound: 16 pairs
+    _assert_refused(live, _post(live, "/v1/chat/completions", {**kw, "metadata": many}), 400, "metadata")
 
 
 def test_sampling_controls_reach_the_engine(live):
@@ -1411,43 +1475,183 @@ def test_scheduler_drops_a_request_larger_than_the_cache():
 # SIGTERM ------------------------------------------------------------------------------------
 
 
-def test_sigterm_ends_in_flight_requests_and_exits_0(tmp_path):
+@contextlib.contextmanager
+def _served(tmp_path, *flags: str):
+    """`ringserve serve` on the built-in model on the CPU as a subprocess: (process, URL, a
+    function that reads its log); killed on exit if it is still running."""
     port = free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ringserve.cli", "serve", "--device", "cpu", "--dtype", "float32"]
-        + ["--port", str(port), "--max-model-len", "256"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        body = {"prompt": "Count:", "max_tokens": 24, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: {")
-            proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]"  # the in-flight request ended normally
-        assert sum(1 for line in rest if line.startswith("data: {")) == 23
-        assert proc.wait(timeout=10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ringserve.cli", "serve", "--device", "cpu", "--dtype", "float32"]
+            + ["--port", str(port), "--max-model-len", "512", *flags],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 90
+            while True:
+                assert proc.poll() is None, log_path.read_text()
+                assert time.monotonic() < deadline, "the server did not come up"
+                try:
+                    if httpx.get(url + "/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.2)
+            yield proc, url, log_path.read_text
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
-@pytest.mark.parametrize("flag,value", [("--max-waiting", "0"), ("--port", "-1"), ("--port", "70000")])
+class _Streams:
+    """Streamed requests, each read on a thread of its own into a list of its `data:` lines."""
+
+    def __init__(self, url: str, bodies: list[tuple[str, dict]]):
+        self.lines: list[list[str]] = [[] for _ in bodies]
+        self.threads = [
+            threading.Thread(target=self._read, args=(url + path, body, lines), daemon=True)
+            for (path, body), lines in zip(bodies, self.lines)
+        ]
+        for t in self.threads:
+            t.start()
+
+    @staticmethod
+    def _read(url: str, body: dict, lines: list[str]) -> None:
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+            assert r.status_code == 200
+            lines.extend(line for line in r.iter_lines() if line)
+
+    def wait_started(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(self.lines):
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.05)
+
+    def join(self, timeout: float = 120) -> None:
+        for t in self.threads:
+            t.join(timeout)
+            assert not t.is_alive(), "a stream did not end"
+
+
+def _draining(url: str, timeout: float = 10) -> None:
+    """Until /health says the server is shutting down (the signal was handled)."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(url + "/health").status_code != 503:
+        assert time.monotonic() < deadline, "the server did not start draining"
+        time.sleep(0.02)
+
+
+def test_sigterm_finishes_every_stream_in_flight_and_refuses_new_requests(tmp_path):
+    """20 streams in flight at SIGTERM all end as they would have (every token, then
+    [DONE]); requests that come during the drain get a 503; the server then exits 0."""
+    n, max_tokens = 20, 16  # a 2-core CI machine runs 20 streams at a few tokens a second
+    body = {"prompt": "Count:", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    with _served(tmp_path) as (proc, url, log):
+        streams = _Streams(url, [("/v1/completions", body)] * n)
+        streams.wait_started()
+        proc.send_signal(signal.SIGTERM)
+        _draining(url)
+        late = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert late.status_code == 503, late.text
+        error = late.json()["error"]
+        assert error["code"] == 503 and "shutting down" in error["message"]
+        streams.join()
+        assert proc.wait(timeout=30) == 0, log()[-3000:]
+        assert "Traceback" not in log() and "Cancel" not in log(), log()[-3000:]
+    for lines in streams.lines:
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line[6:]) for line in lines[:-1]]
+        assert all("error" not in c for c in chunks), chunks[-1]
+        assert sum(len(c["choices"]) for c in chunks) == max_tokens  # one token per chunk
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("cut", ["timeout", "second signal"])
+def test_requests_still_running_at_the_shutdown_timeout_end_with_an_openai_error(tmp_path, cut):
+    """Cut by --shutdown-timeout, or, without one, by a second signal (Ctrl-C again)."""
+    long = {"max_tokens": 480, "ignore_eos": True}
+    flags = ["--shutdown-timeout", "1"] if cut == "timeout" else []
+    why = "--shutdown-timeout 1 s passed" if cut == "timeout" else "a second stop signal"
+    with _served(tmp_path, *flags) as (proc, url, log):
+        streams = _Streams(
+            url,
+            [
+                ("/v1/completions", {"prompt": "Count:", **long}),
+                ("/v1/chat/completions", {"messages": HI, **long}),
+            ],
+        )
+        result = {}
+
+        def plain():  # not streamed: its answer is one error body
+            result["r"] = httpx.post(url + "/v1/completions", json={"prompt": "Go:", **long}, timeout=60)
+
+        thread = threading.Thread(target=plain, daemon=True)
+        thread.start()
+        streams.wait_started()
+        time.sleep(0.3)  # the plain request is admitted too
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        if cut == "second signal":
+            _draining(url)
+            time.sleep(1)  # the requests go on meanwhile, however long they take
+            assert all(not lines[-1].startswith("data: [DONE]") for lines in streams.lines)
+            proc.send_signal(signal.SIGINT)
+        streams.join()
+        thread.join(60)
+        assert proc.wait(timeout=30) == 0, log()[-3000:]
+        assert time.monotonic() - signalled < 2 + 20  # the timeout (or wait), the cut, the exit
+    for lines in streams.lines:
+        assert lines[-1] == "data: [DONE]"  # the stream still ends as streams end
+        error = json.loads(lines[-2][6:])["error"]
+        assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"
+        assert "shut down before the request finished" in error["message"]
+        assert why in error["message"]
+    r = result["r"]
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json", r.text
+    assert r.json()["error"]["code"] == 503 and "shut down" in r.json()["error"]["message"]
+
+
+def _memory_mib(pid: int) -> dict[str, int]:
+    """VmHWM (the peak resident set since start, or since the last reset) and VmRSS, in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {k: int(fields[k].split()[0]) // 1024 for k in ("VmHWM", "VmRSS")}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc")
+def test_a_50_mb_prompt_is_refused_at_once_in_bounded_memory(tmp_path):
+    """Before: a 10 MB text prompt took 14.5 s and 3.4 GiB to refuse, a 50 MB one 13 GiB
+    (the whole text through the tokenizer). Now it is refused by its length: the server's peak
+    memory grows by a few copies of the body at most (parsing it), the tokenizer never runs."""
+    big = "word " * (10 * 2**20)  # 50 MiB, 10 Mi tokens
+    bound_mib = 400  # 8 copies of the prompt; measured: about 160 (completions), 210 (chat)
+    with _served(tmp_path) as (proc, url, log):
+        assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+        for path, body in (
+            ("/v1/completions", {"prompt": big}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]}),
+        ):
+            with open(f"/proc/{proc.pid}/clear_refs", "w") as f:
+                f.write("5")  # the peak (VmHWM) starts again from the present size
+            before = _memory_mib(proc.pid)["VmRSS"]
+            start = time.monotonic()
+            r = httpx.post(url + path, json={**body, "max_tokens": 2}, timeout=120)
+            took = time.monotonic() - start
+            assert r.status_code == 400, r.text[:500]
+            assert "characters long" in r.json()["error"]["message"]
+            grown = _memory_mib(proc.pid)["VmHWM"] - before
+            assert grown < bound_mib, f"{path}: the peak grew by {grown} MiB"
+            assert took < 30, f"{path}: refused after {took:.1f} s"
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [("--max-waiting", "0"), ("--port", "-1"), ("--port", "70000"), ("--shutdown-timeout", "-1")],
+)
 def test_serve_refuses_bad_server_flags(flag, value, capsys):
     from ringserve.cli import main
 

@@ -41,8 +41,9 @@ from ringserve.engine.scheduler import ScheduledBatch, Scheduler
 from ringserve.engine.sequence import PENDING_TOKEN, Sequence
 from ringserve.engine.step_input import StepInput
 from ringserve.engine.structured_output import GrammarCompiler, GrammarMasks
+from ringserve.engine.text_bound import max_prompt_chars
 from ringserve.errors import RequestError, RequestTooLargeError
-from ringserve.options import EngineOptions
+from ringserve.options import EngineOptions, OptionError
 from ringserve.outputs import RequestOutput, TokensSoFar
 from ringserve.sampling_params import SamplingParams
 
@@ -107,6 +108,15 @@ class LLMEngine:
         check_parallel_layout(config, parallel, self.device)  # before any process or weight
         self.dtype = resolve_dtype(options.dtype, config.dtype, self.device)
         self.max_model_len = ec.max_model_len or config.max_position_embeddings
+        context = config.context_length
+        if self.max_model_len > context and not options.allow_long_max_model_len:
+            # refused as vLLM refuses it: RoPE past the trained positions gives garbage, not an error
+            raise OptionError(
+                "max_model_len",
+                f"max_model_len {self.max_model_len} is longer than the model's context ({context} "
+                f"tokens, from {self.model_path}'s config.json); positions past it were never trained. "
+                "To run it anyway, set allow_long_max_model_len (--allow-long-max-model-len)",
+            )
         spec = WorkerSpec(
             self.model_path,
             config,
@@ -123,6 +133,10 @@ class LLMEngine:
         self.chat_template = chat.read_template(options.chat_template)
         # the sampling seeds of unseeded requests, from --seed when given (reproducible runs)
         self.seed_rng = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
+        # a text longer than this cannot fit: refused before the tokenizer sees it
+        self.max_prompt_chars = (
+            max_prompt_chars(self.tokenizer, self.max_model_len) if self.tokenizer is not None else None
+        )
         self.eos_token_ids = eos_token_ids(self.model_path, config, self.tokenizer)
         self.sampling_defaults = generation_defaults(options.generation_config, self.model_path)
         self.logits_adjuster = LogitsAdjuster(config.vocab_size, self.device, self.eos_token_ids)
@@ -186,6 +200,7 @@ class LLMEngine:
             check_text(prompt)
             if chat:
                 return self.chat_prompt([{"role": "user", "content": prompt}])[1]
+            self.check_text_length(prompt)
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)) and not hasattr(prompt, "tolist"):
             raise RequestError(
@@ -218,8 +233,20 @@ class LLMEngine:
             continue_final_message=continue_final_message,
         )
         check_text(text)
+        # the rendered text, not the messages: a template may leave parts of them out
+        self.check_text_length(text)
         # The template writes the special tokens (BOS and the turn markers) itself.
         return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_text_length(self, text: str) -> None:
+        """Refuse a text too long to fit in max_model_len tokens, whatever its tokens, without
+        tokenizing it (engine/text_bound.py says why the bound holds)."""
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise RequestError(
+                f"the prompt is {len(text)} characters long; no text over {self.max_prompt_chars} "
+                f"characters fits this model's context of {self.max_model_len} tokens (max_model_len) "
+                "with this tokenizer"
+            )
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         return self.chat_prompt(messages)[0]

@@ -50,6 +50,12 @@ MAX_BODY_BYTES = 64 * 2**20
 LISTEN_BACKLOG = 2048
 
 
+SHUTTING_DOWN = "the server is shutting down: it finishes the requests in flight and takes no new ones"
+
+# What an undeclared request field is told (protocol._Body says why it is refused).
+UNSUPPORTED_FIELD = "ringserve does not support this field (leave it out, or null)"
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
@@ -115,6 +121,96 @@ class _BodyLimit:
             return message
 
         await self.app(scope, counted, send)
+
+
+class Drain:
+    """The shutdown on SIGTERM / Ctrl-C: the /v1 requests in flight are finished, new ones get a
+    503, and the server exits once none is left, or once `timeout_s` has passed (None: no
+    limit; a second signal ends the wait too), cutting what is left with an error in
+    OpenAI's shape. The listening socket stays open meanwhile, so that a new request is told
+    the server is going (503) rather than refused a connection."""
+
+    # After the cut: how long the handlers get to write their error and end before uvicorn's
+    # own shutdown cancels them (they need one event-loop turn; a client that does not read
+    # could hold one back).
+    CUT_GRACE_S = 5.0
+
+    def __init__(self):
+        self.draining = False
+        self.signals = 0  # stop signals received (by the signal handler)
+        self.active = 0  # /v1 requests being answered
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._signalled_again = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def enter(self) -> None:
+        self.active += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self._idle.set()
+
+    def on_signal(self, async_engine: AsyncEngine, timeout_s: float | None, done: Callable[[], None]) -> None:
+        """A stop signal (on the event loop): start the drain, or, during one, end its wait."""
+        if self.draining:
+            self._signalled_again.set()
+            return
+        self.draining = True
+        limit = "no time limit" if timeout_s is None else f"at most {timeout_s:g} s"
+        logger.warning(
+            "shutting down: finishing %d request(s) in flight (%s; a second signal cuts them), "
+            "new requests get 503",
+            self.active,
+            limit,
+        )
+        self._task = asyncio.ensure_future(self._run(async_engine, timeout_s, done))
+
+    async def _run(
+        self, async_engine: AsyncEngine, timeout_s: float | None, done: Callable[[], None]
+    ) -> None:
+        try:
+            idle = asyncio.ensure_future(self._idle.wait())
+            again = asyncio.ensure_future(self._signalled_again.wait())
+            await asyncio.wait({idle, again}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            idle.cancel()
+            again.cancel()
+            if self.active:
+                why = (
+                    "a second stop signal"
+                    if self._signalled_again.is_set()
+                    else f"--shutdown-timeout {timeout_s:g} s passed"
+                )
+                logger.warning("shutting down: cutting %d request(s) in flight (%s)", self.active, why)
+                async_engine.cut(f"the server shut down before the request finished ({why})")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._idle.wait(), self.CUT_GRACE_S)
+        finally:
+            done()
+
+
+class _DrainGate:
+    """Pure ASGI middleware: counts the /v1 requests being answered (a stream until its last
+    event) for the Drain, and answers new ones 503 once it has begun."""
+
+    def __init__(self, app, drain: Drain):
+        self.app, self.drain = app, drain
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+            await self.app(scope, receive, send)
+            return
+        if self.drain.draining:
+            response = _error_response(503, SHUTTING_DOWN)
+            await response(scope, receive, send)
+            return
+        self.drain.enter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.leave()
 
 
 class _QuietStartupFailure:
@@ -472,7 +568,11 @@ class Server:
         self.check_request(body)
         if body.top_logprobs and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        # name goes to the chat template, which shows it to the model as its authors chose (as vLLM)
+        messages = [
+            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+            for m in body.messages
+        ]
 
         try:
             _, token_ids = await self.off_loop(self.engine.chat_prompt, messages)
@@ -688,6 +788,7 @@ def build_app(
     stop_requested: polled while the engine is built; True (the server was asked to stop)
     fails the start-up without waiting for the build."""
     server = Server(engine, served_model_name, max_waiting, on_fatal)
+    drain = Drain()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -700,6 +801,8 @@ def build_app(
 
     app = FastAPI(title="ringserve", version=ringserve.__version__, lifespan=lifespan)
     app.state.server = server
+    app.state.drain = drain
+    app.add_middleware(_DrainGate, drain=drain)
     app.add_middleware(_ApiKey, api_key=api_key)
     app.add_middleware(_BodyLimit, limit=max_body_bytes)
     if access_log:
@@ -732,7 +835,11 @@ def build_app(
             for err in errors:
                 where = [str(x) for x in err.get("loc", ()) if x != "body"]
                 field = where[0] if where else "body"
-                by_field.setdefault(field, f"{'.'.join(where) or 'body'}: {err.get('msg')}")
+                text = err.get("msg")
+                if err.get("type") == "extra_forbidden":  # a field the models do not declare
+                    field = ".".join(where)  # each one named, nested ones by their path
+                    text = UNSUPPORTED_FIELD
+                by_field.setdefault(field, f"{'.'.join(where) or 'body'}: {text}")
             message = "; ".join(by_field.values())
             param = next(iter(by_field))
         return _error_response(400, message, param)
@@ -786,6 +893,8 @@ def build_app(
     @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
     async def health():
         ae = server.async_engine
+        if drain.draining:  # so that a load balancer sends its requests elsewhere
+            return _error_response(503, SHUTTING_DOWN)
         if ae.healthy:
             return Response(status_code=200)
         reason = f"{type(ae.error).__name__}: {ae.error}" if ae.error else "the engine loop is not running"
@@ -830,11 +939,12 @@ def run_server(
     api_key: str | None = None,
     max_waiting: int = 1024,
     log_level: str = "info",
-    graceful_timeout_s: float = 10.0,
+    shutdown_timeout_s: float | None = None,
     access_log: bool = False,
 ) -> int:
-    """Serve until SIGTERM / Ctrl-C (exit 0: in-flight requests end, the engine closes), or
-    until a parallel worker dies (exit 1).
+    """Serve until SIGTERM / Ctrl-C (exit 0 once the requests in flight have ended, see
+    Drain: None waits for them however long they take, a number of seconds cuts what is left
+    then, 0 at once), or until a parallel worker dies (exit 1).
 
     engine: an LLMEngine, or a function that builds one. The port is bound first: a taken
     one fails at once (exit 2) before anything is built. The engine thread then calls the
@@ -851,13 +961,33 @@ def run_server(
         return 2
 
     class _Server(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+
         async def startup(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
             await super().startup(sockets)
             if self.started:  # uvicorn says where it listens only on a socket it bound itself
                 bound_host, bound_port = sockets[0].getsockname()[:2]
                 logging.getLogger("uvicorn.error").info(
                     "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", bound_host, bound_port
                 )
+
+        def handle_exit(self, sig, frame):
+            # A signal once serving starts the drain (and a second one ends its wait); before
+            # (the engine is being built) and after it (uvicorn's own shutdown), uvicorn's
+            # handling: stop, and at a second Ctrl-C, stop without waiting.
+            drain = app.state.drain
+            drain.signals += 1
+            if not self.started or self.should_exit or drain.signals > 2:
+                super().handle_exit(sig, frame)
+                return
+            # a signal handler runs between any two bytecodes of the loop: hand over
+            self.loop.call_soon_threadsafe(
+                drain.on_signal, app.state.server.async_engine, shutdown_timeout_s, self.exit_now
+            )
+
+        def exit_now(self) -> None:
+            self.should_exit = True
 
     holder = {}
 
@@ -878,7 +1008,8 @@ def run_server(
         app,
         log_level=log_level,
         backlog=LISTEN_BACKLOG,
-        timeout_graceful_shutdown=graceful_timeout_s,
+        # a backstop only: the drain has ended every request before uvicorn shuts down
+        timeout_graceful_shutdown=Drain.CUT_GRACE_S,
         access_log=False,  # ours, structured, when asked for
     )
     server = holder["server"] = _Server(config)

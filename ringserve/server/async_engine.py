@@ -136,6 +136,14 @@ class AsyncEngine:
             route.stream.queue.put_nowait(EngineStoppedError("the server is shutting down"))
         self.routes.clear()
 
+    def cut(self, message: str) -> None:
+        """End every request in flight with EngineStoppedError(message) (a 503 error body, or
+        an error event in a stream) and take no new one: the shutdown's deadline has come."""
+        self._stopping = True
+        for rid in list(self.routes):
+            self._fail(rid, EngineStoppedError(message))
+            self.commands.put(("abort", rid))  # its KV blocks are freed; the engine stops next
+
     @property
     def healthy(self) -> bool:
         return self.error is None and self.thread is not None and self.thread.is_alive()

@@ -47,7 +47,7 @@ def generation_responses(chunk: type[BaseModel]) -> dict:
 V1_RESPONSES = {"4XX": {**_ERROR, "description": "A wrong or missing API key (401)"}}
 HEALTH_RESPONSES = {
     200: {"description": "Healthy (no body)", "content": None},
-    503: {**_ERROR, "description": "The engine loop stopped"},
+    503: {**_ERROR, "description": "The engine loop stopped, or the server is shutting down"},
 }
 METRICS_RESPONSES = {
     200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}

@@ -94,18 +94,35 @@ Prompt = _by_shape(
 StopStrings = _by_shape(text=str, items=Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)])
 
 
+def _null_extras_schema(schema: dict[str, Any]) -> None:
+    # what _Body takes besides its fields: null, and nothing else (see _Body)
+    schema["additionalProperties"] = {"type": "null"}
+
+
 class _Body(BaseModel):
-    # strict: the JSON types the schema declares, as OpenAI checks them (no "5" or true for
-    # an integer, no 1 for a boolean), so a mistyped field is a 400 naming it; no NaN / inf.
-    # Unknown fields are ignored, as vLLM does.
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    """A request body (or a part of one). strict: the JSON types the schema declares, as
+    OpenAI checks them (no "5" or true for an integer, no 1 for a boolean), so a mistyped
+    field is a 400 naming it; no NaN / inf.
+
+    A field the model does not declare is a 400 naming it (extra="forbid"), unlike vLLM,
+    which ignores it with a warning: a client that asks for something ringserve does not do
+    (tools, response_format, audio, ...) must hear so, not get an answer made without it.
+    Declaring a field is therefore all it takes to accept it. The one exception is null: in
+    OpenAI's API a null field is an unset one, it asks for nothing, and clients send such
+    nulls (an assistant message read back from a response carries "tool_calls": null), so
+    an undeclared field whose value is null is dropped."""
+
+    model_config = ConfigDict(
+        strict=True, allow_inf_nan=False, extra="forbid", json_schema_extra=_null_extras_schema
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _json_numbers(cls, data: Any) -> Any:
-        known = {f.alias or name for name, f in cls.model_fields.items()}
-        if isinstance(data, dict) and (unknown := data.keys() - known):
-            logger.warning("%s: fields ignored: %s", cls.__name__, sorted(map(str, unknown)))  # as vLLM
+        if isinstance(data, dict):
+            known = set(cls.model_fields)
+            known.update(f.alias for f in cls.model_fields.values() if f.alias)
+            data = {k: v for k, v in data.items() if v is not None or k in known}
         return _integral_floats_to_ints(data)
 
     @field_validator("*", mode="before")
@@ -219,6 +236,30 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Metadata: OpenAI's fields that label a request or hint at its routing and change
+    # nothing in the answer; accepted and not acted on (README lists them). Bounds as OpenAI's.
+    metadata: (
+        Annotated[
+            dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+            Field(max_length=16),
+        ]
+        | None
+    ) = None
+    safety_identifier: str | None = Field(None, max_length=64)
+    prompt_cache_key: str | None = None  # ringserve's prefix cache needs no key
+    # one tier here: what "auto" and "default" ask for; "flex" or "priority" would ask for
+    # processing ringserve does not offer
+    service_tier: Literal["auto", "default"] | None = None
+    # store: true asks OpenAI to keep the completion for its evals and distillation
+    # products; ringserve keeps nothing, so only false is taken
+    store: bool | None = None  # (a Literal[False] would take 0, which equals False)
+
+    @field_validator("store")
+    @classmethod
+    def _stores_nothing(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("ringserve does not store completions: leave store out, or false")
+        return value
 
 
 # Responses --------------------------------------------------------------------------------

@@ -393,3 +393,28 @@ def test_auto_without_a_call_is_plain_content(hermes_live):
     choice = reply.choices[0]
     assert choice.message.content == "It is sunny < 30 degrees" and choice.message.tool_calls is None
     assert choice.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_schema_is_a_list_of_calls_of_the_tools(parallel):
+    from ringserve.server import protocol as P
+    from ringserve.server.tools import required_schema
+
+    tools = [P.ChatTool.model_validate(t) for t in (GET_WEATHER, GET_TIME)]
+    schema = required_schema(tools, None if parallel else 1)
+    weather = {"name": "get_weather", "parameters": json.loads(WEATHER)}
+    time_call = {"name": "get_time", "parameters": {"zone": "CET"}}  # its $ref resolves at the top
+    jsonschema.validate([weather], schema)
+    for bad in (
+        [],
+        [{"name": "get_time", "parameters": {"zone": "Mars"}}],
+        [{"name": "nope", "parameters": {}}],
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    if parallel:
+        jsonschema.validate([weather, time_call], schema)
+    else:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([weather, time_call], schema)
+    assert required_schema(tools, None if parallel else 1) == schema  # the tools are left as they were

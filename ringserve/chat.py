@@ -80,8 +80,13 @@ def render(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[dict] | None = None,
 ) -> str:
     """The prompt text for one conversation. model: its path, for the error messages.
+
+    tools: OpenAI function tools ({"type": "function", "function": {...}}) for the template
+    to describe to the model; an assistant message's tool_calls and a tool message's
+    tool_call_id pass through to it.
 
     add_generation_prompt: end with the assistant's turn header, so the model answers.
     continue_final_message: leave the last (assistant) message open, so the model continues it.
@@ -105,6 +110,7 @@ def render(
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
             tokenize=False,
         )
     except Exception as e:  # the template itself refuses (e.g. roles must alternate) or is broken

@@ -184,6 +184,19 @@ def _add_serve_parser(sub) -> None:
         "before cutting them with an error; default: as long as they take (a second signal cuts "
         "them at once); 0: cut them at once, as vLLM's --shutdown-timeout 0 (its default)",
     )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the default with tools): the model\'s calls are read '
+        "from its text by --tool-call-parser",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how the model family writes tool calls: llama3_json (Llama 3.x), hermes (Qwen2.5, "
+        "Qwen3), mistral, openai (gpt-oss's harmony); ringserve/server/tool_parsers.py",
+    )
     add_cli_args(serve)
 
 
@@ -215,6 +228,14 @@ def _serve(args) -> int:
         )
         return 2
     problem = take_model_positional(args)
+    if args.tool_call_parser is not None or args.enable_auto_tool_choice:
+        # imported here: the server's modules are not loaded for the other commands
+        from ringserve.server.tool_parsers import PARSERS
+
+        if args.tool_call_parser not in PARSERS:  # as vLLM, auto tool choice needs a parser
+            problem = f"argument --tool-call-parser: choose one of {', '.join(PARSERS)}"
+            if args.tool_call_parser is None:
+                problem = f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(PARSERS)})"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -242,6 +263,8 @@ def _serve(args) -> int:
         log_level,
         shutdown_timeout_s=timeout,
         access_log=args.access_log,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
 
 

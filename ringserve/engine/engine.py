@@ -220,10 +220,12 @@ class LLMEngine:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> tuple[str, list[int]]:
         """One conversation through the chat template: (the prompt text, its token ids).
 
-        The one place messages become a prompt (LLM.chat, `ringserve chat`, the server)."""
+        The one place messages become a prompt (LLM.chat, `ringserve chat`, the server).
+        tools: OpenAI function tools the template describes to the model."""
         text = chat.render(
             self.tokenizer,
             messages,
@@ -231,6 +233,7 @@ class LLMEngine:
             chat_template=chat_template or self.chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
         )
         check_text(text)
         # the rendered text, not the messages: a template may leave parts of them out

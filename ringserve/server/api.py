@@ -38,6 +38,14 @@ from ringserve.server.openapi import (
     list_stream_chunks,
 )
 from ringserve.server.token_pieces import OffsetCounter, TokenPieces
+from ringserve.server.tool_parsers import (
+    PARSERS,
+    ToolCallStream,
+    ToolParser,
+    parse_whole,
+    special_token_strings,
+)
+from ringserve.server.tools import ToolPlan, ToolsError, plan_tools, template_messages
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +246,15 @@ class Server:
     """The app's state: the engine loop, the names, the metrics, the token strings.
     engine: an LLMEngine or a function that builds one (on the engine thread: AsyncEngine)."""
 
-    def __init__(self, engine, served_model_name: str | Sequence[str], max_waiting: int, on_fatal=None):
+    def __init__(
+        self,
+        engine,
+        served_model_name: str | Sequence[str],
+        max_waiting: int,
+        on_fatal=None,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
+    ):
         # Several names (vLLM's --served-model-name a b): a request may name any, /v1/models
         # lists them all, and responses and metrics carry the first, as vLLM's do.
         names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
@@ -249,6 +265,17 @@ class Server:
         self.metrics = Metrics(self.model_name)
         self.async_engine = AsyncEngine(engine, max_waiting, self.metrics, on_fatal)
         self._pieces: TokenPieces | None = None
+        # tool_choice "auto" reads calls with this family's parser (vLLM's two flags)
+        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+            raise ValueError(
+                f"unknown tool call parser {tool_call_parser!r}; choose one of {', '.join(PARSERS)}"
+            )
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError(
+                "--enable-auto-tool-choice needs --tool-call-parser (one of " + ", ".join(PARSERS) + ")"
+            )
+        self.tool_call_parser = tool_call_parser if enable_auto_tool_choice else None
+        self._auto_parser: ToolParser | None = None
 
     @property
     def engine(self):
@@ -270,16 +297,29 @@ class Server:
             self._pieces = TokenPieces(self.engine.tokenizer)
         return self._pieces
 
+    @property
+    def auto_parser(self) -> ToolParser | None:
+        """The parser of tool_choice "auto" (made once the tokenizer, and so its special
+        tokens, are there); None when the server was not started with one."""
+        if self._auto_parser is None and self.tool_call_parser is not None:
+            self._auto_parser = PARSERS[self.tool_call_parser](special_token_strings(self.engine.tokenizer))
+        return self._auto_parser
+
     def token_text(self, token_id: int) -> str:
         return self.pieces.text(token_id)
 
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
-    async def structured_outputs(self, body: P.SamplingFields) -> StructuredOutputsParams | None:
+    async def structured_outputs(
+        self, body: P.SamplingFields, tool_schema: dict | None = None
+    ) -> StructuredOutputsParams | None:
         """What the request's output must follow, its grammar compiled (off the event loop:
-        a large schema takes a while) and kept for when the request is added."""
+        a large schema takes a while) and kept for when the request is added.
+        tool_schema: what a forced tool_choice makes the output (the calls' JSON)."""
         asked = {}  # the field that asks -> StructuredOutputsParams' arguments
+        if tool_schema is not None:
+            asked["tool_choice"] = {"json": tool_schema}
         rf = body.response_format
         if rf is not None and rf.type == "json_object":
             asked["response_format"] = {"json_object": True}
@@ -310,6 +350,8 @@ class Server:
             await self.off_loop(self.engine.grammar_compiler.check, spec)
         except RequestError as e:
             # the engine's messages name structured_outputs: name the field the request used
+            # (a forced tool choice's schema comes from the tools' parameters)
+            field = "tools" if field == "tool_choice" else field
             raise ApiError(400, re.sub(r"^structured_outputs", field, str(e)), field) from None
         return spec
 
@@ -321,6 +363,7 @@ class Server:
         index: int,
         prompt_logprobs: int | None = None,
         structured_outputs: StructuredOutputsParams | None = None,
+        skip_special_tokens: bool | None = None,
     ) -> SamplingParams:
         if body.best_of is not None and body.best_of != body.n:
             # vLLM's v1 engine refuses it too: n candidates ranked by likelihood are not drawn
@@ -350,7 +393,9 @@ class Server:
                 min_tokens=body.min_tokens,
                 logit_bias=_logit_bias(body.logit_bias),
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens,
+                skip_special_tokens=(
+                    body.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
+                ),
                 bad_words=list(body.bad_words or []),
                 structured_outputs=structured_outputs,
             )
@@ -568,14 +613,15 @@ class Server:
         self.check_request(body)
         if body.top_logprobs and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        # name goes to the chat template, which shows it to the model as its authors chose (as vLLM)
-        messages = [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
-            for m in body.messages
-        ]
+        try:
+            tools = plan_tools(body, self.auto_parser)
+            # name goes to the chat template too, which shows it as its authors chose (as vLLM)
+            messages = template_messages(body.messages)
+        except ToolsError as e:
+            raise ApiError(400, str(e), e.param) from None
 
         try:
-            _, token_ids = await self.off_loop(self.engine.chat_prompt, messages)
+            _, token_ids = await self.off_loop(lambda: self.engine.chat_prompt(messages, tools=tools.tools))
         except RequestError as e:  # no template, or one that refuses these messages
             raise ApiError(400, str(e), "messages") from None
         except Exception as e:  # a template that cannot render these messages
@@ -587,13 +633,22 @@ class Server:
         request_id = P.random_id("chatcmpl")
         created = int(time.time())
         n = body.n
-        structure = await self.structured_outputs(body)
+        structure = await self.structured_outputs(body, tools.schema)
+        # a parser whose markers are special tokens sees them (it strips them from content)
+        keep_special = tools.parser is not None and tools.parser.keeps_special_tokens
         stream = self.submit(
             [
                 (
                     f"{request_id}-{j}",
                     token_ids,
-                    self.params(body, max_tokens, logprobs, j, structured_outputs=structure),
+                    self.params(
+                        body,
+                        max_tokens,
+                        logprobs,
+                        j,
+                        structured_outputs=structure,
+                        skip_special_tokens=False if keep_special else None,
+                    ),
                 )
                 for j in range(n)
             ],
@@ -632,13 +687,27 @@ class Server:
                 for j in range(n):
                     yield chunk([P.ChatChunkChoice(index=j, delta=P.Delta(role="assistant", content=""))])
                 completion_tokens = 0
+                readers = [
+                    ToolCallStream(tools.parser, tools.max_calls) if tools.parser else None for _ in range(n)
+                ]
                 async for index, out in self.async_engine.results(stream):
                     completion_tokens += len(out.new_token_ids)
+                    delta, reader = P.Delta(content=out.new_text), readers[index]
+                    if reader is not None:
+                        delta = _tool_delta(reader.feed(out.new_text, out.finished))
+                        # what the parser holds back (a marker's start) comes later, or never
+                        if not (delta.content or delta.tool_calls or delta.reasoning_content):
+                            if not out.finished and not out.new_logprobs:
+                                continue
                     choice = P.ChatChunkChoice(
                         index=index,
-                        delta=P.Delta(content=out.new_text),
+                        delta=delta,
                         logprobs=logprobs_of(out.new_logprobs),
-                        finish_reason=out.finish_reason if out.finished else None,
+                        finish_reason=(
+                            _finish_reason(out.finish_reason, tools, reader is not None and reader.called)
+                            if out.finished
+                            else None
+                        ),
                         stop_reason=out.stop_reason,
                     )
                     yield chunk([choice])
@@ -654,12 +723,25 @@ class Server:
         completion_tokens = 0
         for index, (out, lps) in sorted(finals.items()):
             completion_tokens += len(out.token_ids)
+            message, called = P.AssistantMessage(content=out.text), False
+            if tools.parser is not None:
+                parsed, ids = parse_whole(tools.parser, out.text, tools.max_calls)
+                called = bool(parsed.calls)
+                message = P.AssistantMessage(
+                    content=parsed.content or (None if called else ""),
+                    tool_calls=[
+                        P.ToolCall(id=i, function=P.FunctionCall(name=c.name, arguments=c.arguments))
+                        for i, c in zip(ids, parsed.calls)
+                    ]
+                    or None,
+                    reasoning_content=parsed.reasoning or None,
+                )
             choices.append(
                 P.ChatChoice(
                     index=index,
-                    message=P.AssistantMessage(content=out.text),
+                    message=message,
                     logprobs=logprobs_of(lps),
-                    finish_reason=out.finish_reason,
+                    finish_reason=_finish_reason(out.finish_reason, tools, called),
                     stop_reason=out.stop_reason,
                 )
             )
@@ -733,6 +815,27 @@ class Server:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _finish_reason(reason: str | None, tools: ToolPlan, called: bool) -> str | None:
+    """ "tool_calls" when the output ended as calls (auto, required), as vLLM; a named
+    choice's call ends as the output did ("stop"), as OpenAI's does; a cut-off call "length"."""
+    if called and reason == "stop" and tools.choice in ("auto", "required"):
+        return "tool_calls"
+    return reason
+
+
+def _tool_delta(d) -> P.Delta:
+    calls = [
+        P.DeltaToolCall(
+            index=c.index,
+            id=c.id,
+            type="function" if c.id else None,
+            function=P.DeltaFunction(name=c.name, arguments=c.arguments),
+        )
+        for c in d.calls
+    ]
+    return P.Delta(content=d.content or None, reasoning_content=d.reasoning or None, tool_calls=calls or None)
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's {"token id": bias} -> {id: bias clamped to [-100, 100]}, as vLLM reads it."""
     if not bias:
@@ -780,14 +883,20 @@ def build_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     access_log: bool = False,
     stop_requested: Callable[[], bool] = lambda: False,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     """The app over an LLMEngine, or over a function that builds one: the engine thread
     calls it, and the start-up (the app's lifespan) ends once it is built, so uvicorn
     accepts connections only then. The engine loop starts and stops with the lifespan.
     access_log: one JSON line per request on the `ringserve.access` logger.
     stop_requested: polled while the engine is built; True (the server was asked to stop)
-    fails the start-up without waiting for the build."""
-    server = Server(engine, served_model_name, max_waiting, on_fatal)
+    fails the start-up without waiting for the build.
+    tool_call_parser, enable_auto_tool_choice: vLLM's flags: tool_choice "auto" reads the
+    calls with that family's parser (tool_parsers.PARSERS); ValueError for an unknown one."""
+    server = Server(
+        engine, served_model_name, max_waiting, on_fatal, tool_call_parser, enable_auto_tool_choice
+    )
     drain = Drain()
 
     @contextlib.asynccontextmanager
@@ -941,6 +1050,8 @@ def run_server(
     log_level: str = "info",
     shutdown_timeout_s: float | None = None,
     access_log: bool = False,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> int:
     """Serve until SIGTERM / Ctrl-C (exit 0 once the requests in flight have ended, see
     Drain: None waits for them however long they take, a number of seconds cuts what is left
@@ -1003,6 +1114,8 @@ def run_server(
         on_fatal,
         access_log=access_log,
         stop_requested=lambda: holder["server"].should_exit,
+        tool_call_parser=tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
     )
     config = uvicorn.Config(
         app,

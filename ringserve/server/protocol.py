@@ -219,10 +219,25 @@ class TextPart(_Body):
 MessageContent = _by_shape(text=str, items=list[TextPart])  # a string, or text parts as OpenAI allows
 
 
+class FunctionCallParam(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallParam(_Body):
+    """A call the assistant made, in a conversation sent back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: MessageContent | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -230,8 +245,33 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
+class FunctionDefinition(_Body):
+    # OpenAI's rule for a function's name
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of its arguments object
+    strict: bool | None = None  # forced choices always follow the schema, strict or not
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -320,9 +360,30 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def _without_none(data: dict, keys: tuple[str, ...]) -> dict:
+    return {k: v for k, v in data.items() if not (k in keys and v is None)}
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the message is tool calls only, as OpenAI
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # gpt-oss's analysis channel, as vLLM names it
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):  # no "tool_calls": null in a plain answer
+        return _without_none(handler(self), ("tool_calls", "reasoning_content"))
 
 
 class ChatChoice(BaseModel):
@@ -342,9 +403,33 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None  # in a call's first delta only
+    arguments: str | None = None  # the next fragment of the arguments' JSON text
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return _without_none(handler(self), ("name", "arguments"))
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: its first delta carries id, type and name, later ones arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return _without_none(handler(self), ("id", "type"))
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):  # {"content": "..."} as OpenAI sends it, no "role": null

@@ -766,7 +766,9 @@ def test_a_message_name_reaches_the_chat_template(live, monkeypatch):
     seen = []
     chat_prompt = live.engine.chat_prompt
     monkeypatch.setattr(
-        live.engine, "chat_prompt", lambda messages: seen.append(messages) or chat_prompt(messages)
+        live.engine,
+        "chat_prompt",
+        lambda messages, **kw: seen.append(messages) or chat_prompt(messages, **kw),
     )
     body = {"messages": [{"role": "user", "content": "hi", "name": "ada"}, *HI], "max_tokens": 2}
     assert _post(live, "/v1/chat/completions", body).status_code == 200
@@ -1064,6 +1066,9 @@ class FakeEngine:
 
     def check_params(self, params):
         pass
+
+    def default_params(self, **given):  # no generation_config.json: the fields as given
+        return SamplingParams(**{k: v for k, v in given.items() if v is not None})
 
     def add_request(self, prompt, params, request_id, prompt_token_ids=None):
         self.pending.append(request_id)

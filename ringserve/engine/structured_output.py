@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import threading
 
 import llguidance
@@ -144,8 +143,8 @@ class GrammarMasks:
         )
         live = [(g.matcher, i) for i, g in enumerate(grammars) if not g.done and g.error is None]
         if live:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor(num_threads=min(8, os.cpu_count() or 1))
+            if self._executor is None:  # llguidance's threads: 80% of the cores, at most 32
+                self._executor = llguidance.LLExecutor()
             self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), self.words * 4, len(rows))
         words = bitmask.to(self.device, non_blocking=True)  # [R, W]
         allowed = ((words.unsqueeze(-1) >> self._bits) & 1).view(len(rows), -1)[:, : logits.shape[1]]

@@ -127,6 +127,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation, or a list of them (each a list of {"role", "content"}
         dicts), through the model's chat template; outputs in the order of the conversations.
@@ -134,7 +135,9 @@ class LLM:
         Each output's prompt is the conversation as the template wrote it. chat_template: a
         Jinja template to use instead of the model's own. add_generation_prompt: end with the
         assistant's turn header, so the model answers; continue_final_message: let the model
-        continue the last (assistant) message instead.
+        continue the last (assistant) message instead. tools: OpenAI function tools
+        ({"type": "function", "function": {"name", "description", "parameters"}}) that the
+        template describes to the model, as vLLM's LLM.chat takes them.
         """
         conversations = messages if is_batch(messages) else [messages]
         for i, conversation in enumerate(conversations):  # all checked before any is rendered
@@ -142,7 +145,7 @@ class LLM:
         texts, token_ids = [], []
         for conversation in conversations:
             text, ids = self.engine.chat_prompt(
-                conversation, chat_template, add_generation_prompt, continue_final_message
+                conversation, chat_template, add_generation_prompt, continue_final_message, tools
             )
             texts.append(text)
             token_ids.append(ids)

@@ -49,3 +49,16 @@ def test_a_tokenizer_and_a_chat_template_from_elsewhere(smol_vocab_model, tmp_pa
         chat_template="[{{ messages[0]['content'] }}]",
     ) as llm:
         assert llm.chat([{"role": "user", "content": "hi"}], greedy)[0].prompt == "[hi]"
+
+
+def test_llm_chat_shows_the_tools_to_the_template(smol_vocab_model):
+    template = (
+        "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}{{ messages[-1]['content'] }}"
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    with LLM(smol_vocab_model, device="cpu", dtype="float32", chat_template=template) as llm:
+        assert (
+            llm.chat([{"role": "user", "content": "hi"}], greedy, tools=tools)[0].prompt == "[get_weather]hi"
+        )
+        assert llm.chat([{"role": "user", "content": "hi"}], greedy)[0].prompt == "hi"

@@ -106,6 +106,24 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
         "--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens up to this mass"
     )
     group.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
+    group.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens less likely than this x the likeliest's probability",
+    )
+    group.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="> 1 discourages tokens of the prompt and the answer",
+    )
+    group.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="minus this for each token already used"
+    )
+    group.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="minus this times the times a token was used"
+    )
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
@@ -130,6 +148,10 @@ def sampling_params(args):
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )

@@ -113,6 +113,10 @@ def test_cli_help_explains_every_option(capsys):
         "--max-tokens",
         "--temperature",
         "--top-p",
+        "--min-p",
+        "--repetition-penalty",
+        "--presence-penalty",
+        "--frequency-penalty",
         "--seed",
         "--device",
         "--dtype",
@@ -126,3 +130,18 @@ def test_greedy_batch_of_chat_prompts_matches_alone(llm):
     params = SamplingParams(max_tokens=16, temperature=0)
     alone = [llm.generate([q], params, chat=True)[0].token_ids for q in questions]
     assert [o.token_ids for o in llm.generate(questions, params, chat=True)] == alone
+
+
+def test_cli_sampling_flags_reach_the_sampling_params():
+    import argparse
+
+    from ringserve.cli import add_sampling_args, sampling_params
+
+    parser = argparse.ArgumentParser()
+    add_sampling_args(parser, max_tokens=7)
+    flags = "--min-p 0.2 --repetition-penalty 1.3 --presence-penalty 0.5 --frequency-penalty -0.5 --top-k 4"
+    params = sampling_params(parser.parse_args(flags.split()))
+    got = (params.min_p, params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
+    assert got == (0.2, 1.3, 0.5, -0.5) and params.top_k == 4 and params.max_tokens == 7
+    with pytest.raises(ValueError, match="min_p"):
+        sampling_params(parser.parse_args(["--min-p", "2"]))

@@ -21,7 +21,7 @@ from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.cp_policy import CPPolicy
 from ringserve.engine.detokenizer import IncrementalDetokenizer
 from ringserve.engine.dp_scheduler import DataParallelScheduler
-from ringserve.engine.executor import WorkerError, WorkerSpec
+from ringserve.engine.executor import WorkerError, WorkerSpec, limit_host_threads
 from ringserve.engine.kv_groups import KVGroups
 from ringserve.engine.launched_step import LaunchedStep
 from ringserve.engine.loading import (
@@ -129,6 +129,7 @@ class LLMEngine:
             options.timeout_s,
         )
         self.executor = start_executor(spec, self.device, self.show_progress, weights)
+        limit_host_threads(self.device.type)
         self.tokenizer = load_tokenizer(options.tokenizer or self.model_path)
         self.chat_template = chat.read_template(options.chat_template)
         # the sampling seeds of unseeded requests, from --seed when given (reproducible runs)
@@ -419,9 +420,13 @@ class LLMEngine:
         """logits [S, V] -> the disallowed tokens of the rows with a grammar at -inf. Each
         grammar first takes the tokens it has not seen (the last one maybe from `pending`)."""
         rows = [i for i, seq in enumerate(sampling) if seq.grammar is not None]
-        for i in rows:
-            sampling[i].grammar.advance(sampling[i].output_token_ids, pending.get(sampling[i].request_id))
-        return self.grammar_masks.apply(logits, rows, [sampling[i].grammar for i in rows])
+        grammars = [sampling[i].grammar for i in rows]
+        new_tokens = [
+            sampling[i].grammar.new_tokens(sampling[i].output_token_ids, pending.get(sampling[i].request_id))
+            for i in rows
+        ]
+        self.grammar_masks.advance(grammars, new_tokens)
+        return self.grammar_masks.apply(logits, rows, grammars)
 
     def _commit(self, launched: LaunchedStep) -> list[RequestOutput]:
         """The host's record of a launched step: computed tokens, full blocks offered to the

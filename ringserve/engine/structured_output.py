@@ -103,12 +103,17 @@ class Grammar:
         self.matcher = matcher
         self.num_consumed = 0
 
-    def advance(self, output_token_ids: list[int], pending_token: int | None = None) -> None:
-        """Consume the output tokens not consumed yet; pending_token stands for a last token
-        that the host has not read yet (PENDING_TOKEN in output_token_ids)."""
+    def new_tokens(self, output_token_ids: list[int], pending_token: int | None = None) -> list[int]:
+        """The output tokens not consumed yet; pending_token stands for a last token that the
+        host has not read yet (PENDING_TOKEN in output_token_ids)."""
         tokens = output_token_ids[self.num_consumed :]
         if pending_token is not None and tokens:
             tokens = [*tokens[:-1], pending_token]
+        return tokens
+
+    def advance(self, output_token_ids: list[int]) -> None:
+        """Consume the output tokens not consumed yet."""
+        tokens = self.new_tokens(output_token_ids)
         if tokens and not self.matcher.is_error():
             self.matcher.consume_tokens(tokens)
         self.num_consumed += len(tokens)
@@ -124,7 +129,11 @@ class Grammar:
 
 
 class GrammarMasks:
-    """The engine's one instance: the batch's bitmasks and the threads that fill them."""
+    """The engine's one instance: the batch's bitmasks and the threads that fill them.
+
+    Nothing here allocates pinned memory or builds an index per step: two host buffers, used
+    in turn, hold the batch's bitmasks (rows without a grammar allow every token), so the
+    step's only transfer is one copy from pinned memory that does not wait for the device."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
@@ -133,21 +142,58 @@ class GrammarMasks:
         self._executor: llguidance.LLExecutor | None = None  # threads started on first use
         # bit j of a word, for unpacking on the device: [32] int32
         self._bits = torch.arange(32, dtype=torch.int32, device=device)
+        self._buffers: list[torch.Tensor] = []  # 2 x [rows, words] int32, pinned on CUDA
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy
+        self._turn = 0
+
+    def advance(self, grammars: list[Grammar], new_tokens: list[list[int]]) -> None:
+        """Each grammar consumes its new tokens. A decode step brings one a row: those are
+        consumed on llguidance's threads at once (about 20 us a row of JSON on one core)."""
+        one = [(g.matcher, t[0]) for g, t in zip(grammars, new_tokens) if len(t) == 1 and g.error is None]
+        if one:
+            self._threads().consume_token_par(one)  # a failed token leaves its matcher in error
+        for grammar, tokens in zip(grammars, new_tokens):
+            if len(tokens) > 1 and grammar.error is None:
+                grammar.matcher.consume_tokens(tokens)
+            grammar.num_consumed += len(tokens)
 
     def apply(self, logits: torch.Tensor, rows: list[int], grammars: list[Grammar]) -> torch.Tensor:
         """logits [S, V] -> the same with the disallowed tokens of each row in `rows` at -inf
         (a new tensor). A row whose grammar is done or failed is left as it is: its sequence
         ends when this step's token is read, and the token is dropped."""
-        bitmask = torch.full(
-            (len(rows), self.words), -1, dtype=torch.int32, pin_memory=self.device.type == "cuda"
-        )
-        live = [(g.matcher, i) for i, g in enumerate(grammars) if not g.done and g.error is None]
+        num_rows = logits.shape[0]
+        host = self._host_buffer(num_rows)  # [S, W]
+        live = [(g.matcher, row) for row, g in zip(rows, grammars) if not g.done and g.error is None]
+        masked = {row for _, row in live}
+        for row in range(num_rows):
+            if row not in masked:
+                host[row].fill_(-1)  # every token allowed
         if live:
-            if self._executor is None:  # llguidance's threads: 80% of the cores, at most 32
-                self._executor = llguidance.LLExecutor()
-            self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), self.words * 4, len(rows))
-        words = bitmask.to(self.device, non_blocking=True)  # [R, W]
-        allowed = ((words.unsqueeze(-1) >> self._bits) & 1).view(len(rows), -1)[:, : logits.shape[1]]
-        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        masked = logits.index_select(0, index).masked_fill_(allowed == 0, float("-inf"))
-        return logits.index_copy(0, index, masked)
+            self._threads().unsafe_compute_mask_ptr(live, host.data_ptr(), self.words * 4, num_rows)
+        words = host.to(self.device, non_blocking=True)  # [S, W]
+        if self.device.type == "cuda":
+            self._copied[self._turn] = torch.cuda.Event()
+            self._copied[self._turn].record()
+        allowed = ((words.unsqueeze(-1) >> self._bits) & 1).view(num_rows, -1)[:, : logits.shape[1]]
+        return logits.masked_fill(allowed == 0, float("-inf"))
+
+    def _threads(self) -> llguidance.LLExecutor:
+        if self._executor is None:  # llguidance's threads: 80% of the cores, at most 32
+            self._executor = llguidance.LLExecutor()
+        return self._executor
+
+    def _host_buffer(self, num_rows: int) -> torch.Tensor:
+        """The next host buffer in turn, [num_rows, words], once its last copy is done (the
+        copy of two steps ago: long finished when the host reads the tokens in between)."""
+        self._turn = 1 - self._turn
+        if not self._buffers or self._buffers[0].shape[0] < num_rows:
+            cuda = self.device.type == "cuda"
+            if cuda:
+                torch.cuda.current_stream().synchronize()  # the old buffers' copies are done
+            self._buffers = [
+                torch.empty((num_rows, self.words), dtype=torch.int32, pin_memory=cuda) for _ in range(2)
+            ]
+            self._copied = [None, None]
+        elif self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()
+        return self._buffers[self._turn][:num_rows]

@@ -294,3 +294,26 @@ def test_local_world_reports_a_failing_rank_at_once():
     with pytest.raises(RuntimeError, match="rank 1 of 2 failed: ValueError: rank 1 fails on purpose"):
         run_local_world(_fail_on_rank_1, 2, timeout_s=20)
     assert time.monotonic() - started < 15  # not the 20 + 30 s of waiting for a lost report
+
+
+@pytest.mark.parametrize(
+    "device_type, env, expected",
+    [("cuda", None, 1), ("cuda", "4", 3), ("cpu", None, 3)],
+)
+def test_a_gpu_process_keeps_torch_to_one_cpu_thread_unless_told(monkeypatch, device_type, env, expected):
+    """Beside a GPU, torch's CPU pool only competes with llguidance's mask threads (1.5-1.8x
+    slower constrained steps on an H100, BENCHMARKS.md); OMP_NUM_THREADS, when set, decides."""
+    import torch
+
+    from ringserve.engine.executor import limit_host_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    if env is not None:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        limit_host_threads(device_type)
+        assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)

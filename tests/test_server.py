@@ -317,12 +317,14 @@ def test_chat_logprobs_bytes_rebuild_emoji_and_cjk(live):
 
 
 def test_chosen_token_outside_top_n_is_listed(live):
-    """A forced token (logit_bias) far down the model's ranking is still in top_logprobs,
-    after the N likeliest (N + 1 entries), with its raw log-probability, as vLLM."""
+    """A forced token (logit_bias) far down the model's ranking is still in top_logprobs, with
+    its raw log-probability, as vLLM lists it: completions after the N likeliest (N + 1
+    entries), chat first of N."""
     prompt = "The capital of France is"
     ids = live.engine.tokenize(prompt)
     ref = _reference_logprobs(live.engine, ids)[-1]
     forced = int(ref.argsort()[len(ref) // 2])  # a token of middling likelihood
+    top1 = int(ref.argmax())
     pieces = live.app.state.server.pieces
     kw = dict(model=NAME, prompt=prompt, max_tokens=1, temperature=0, logit_bias={str(forced): 100})
     for n in (0, 2):
@@ -345,8 +347,12 @@ def test_chosen_token_outside_top_n_is_listed(live):
     )
     entry = chat.choices[0].logprobs.content[0]
     assert entry.token == pieces.text(forced) and entry.bytes == list(pieces.bytes(forced))
-    assert len(entry.top_logprobs) == 3 and entry.top_logprobs[-1].token == entry.token
-    assert entry.top_logprobs[-1].logprob == entry.logprob < entry.top_logprobs[1].logprob
+    # chat lists N, the chosen token first, then the likeliest (vLLM's chat)
+    assert [t.token for t in entry.top_logprobs] == [
+        pieces.text(forced),
+        live.engine.tokenizer.decode([top1]),
+    ]
+    assert entry.top_logprobs[0].logprob == entry.logprob < entry.top_logprobs[1].logprob
     no_top = live.client.chat.completions.create(
         model=NAME,
         messages=[{"role": "user", "content": prompt}],

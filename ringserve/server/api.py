@@ -669,9 +669,9 @@ class Server:
 
             content = []
             for t in lps or []:
-                # top_logprobs 0 lists none (as vLLM and OpenAI); otherwise the chosen token
-                # is listed after the likeliest when it is not among them
-                top = [P.TopLogprob(**entry(i, v)) for i, v in _with_chosen(t, logprobs)] if logprobs else []
+                # top_logprobs 0 lists none (as vLLM and OpenAI); otherwise N entries, the
+                # chosen token first (vLLM's chat)
+                top = [P.TopLogprob(**entry(i, v)) for i, v in _chosen_first(t, logprobs)] if logprobs else []
                 content.append(P.ChatTokenLogprob(**entry(t.token_id, t.logprob), top_logprobs=top))
             return P.ChatLogprobs(content=content)
 
@@ -859,6 +859,13 @@ def _with_chosen(entry: TokenLogprob, num_top: int) -> list[tuple[int, float]]:
     if all(i != entry.token_id for i, _ in top):
         top = [*top, (entry.token_id, entry.logprob)]
     return top
+
+
+def _chosen_first(entry: TokenLogprob, num_top: int) -> list[tuple[int, float]]:
+    """num_top (token id, logprob): the chosen token, then the likeliest others, as vLLM's
+    chat lists a position's top logprobs (N entries, where completions list N + 1)."""
+    others = [(i, v) for i, v in entry.top if i != entry.token_id]
+    return [(entry.token_id, entry.logprob), *others][:num_top]
 
 
 def _finite(logprob: float) -> float:

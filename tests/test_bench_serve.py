@@ -394,6 +394,9 @@ def test_stream_failures_are_results_not_exceptions():
         lambda request: events({"choices": [{"text": "a"}]}, {"error": {"message": "rank 1 died"}})
     )
     assert not mid.success and mid.error == "stream error: rank 1 died"
+    # transformers serve sends the error as a bare string (its CUDA out-of-memory mid-stream)
+    bare = _stream_once(lambda request: events({"choices": [{"text": "a"}]}, {"error": "CUDA out of memory"}))
+    assert not bare.success and bare.error == "stream error: CUDA out of memory"
     no_usage = _stream_once(lambda request: events({"choices": [{"text": "a"}]}))
     assert not no_usage.success and "usage" in no_usage.error
 

@@ -84,8 +84,11 @@ async def send(
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
+                if "error" in chunk:  # OpenAI's shape, {"message": ...}, or a bare string (transformers)
+                    error = chunk["error"]
+                    result.error = (
+                        f"stream error: {error.get('message', error) if isinstance(error, dict) else error}"
+                    )
                     return result
                 usage = chunk.get("usage") or usage
                 generated = [_generated(c, endpoint) for c in chunk.get("choices") or []]

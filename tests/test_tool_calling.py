@@ -21,7 +21,7 @@ from conftest import KEY, NAME
 # Special tokens as a tokenizer of each family lists them (stripped from content)
 SPECIAL = [
     "<|begin_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>", "<|im_end|>", "</s>",
-    "[TOOL_CALLS]", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>",
+    "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>",
     "<|return|>", "<|constrain|>",
 ]  # fmt: skip
 
@@ -60,6 +60,16 @@ CASES = {
          f'{{"name": "get_time", "arguments": {TIME}}}]',
          "Two calls.", [("get_weather", WEATHER), ("get_time", TIME)], ""),
         ("[TOOL_CALLS] get_weather(Paris)</s>", " get_weather(Paris)", [], ""),  # malformed
+        # v11 and later (Mistral Small 3.2, Magistral, Devstral): NAME[ARGS]{...} per call
+        (f"[TOOL_CALLS]get_weather[ARGS]{WEATHER}</s>", "", [("get_weather", WEATHER)], ""),
+        (f"Two calls.[TOOL_CALLS]get_weather[ARGS]{WEATHER}[TOOL_CALLS]get_time[ARGS]{TIME}",
+         "Two calls.", [("get_weather", WEATHER), ("get_time", TIME)], ""),
+        # v11 writes back the call ids of its prompt; a detokenizer may drop [ARGS]
+        (f"[TOOL_CALLS] get_weather[CALL_ID]a1B2c3D4e[ARGS] {WEATHER} [TOOL_CALLS]get_time{TIME}",
+         "", [("get_weather", WEATHER), ("get_time", TIME)], ""),
+        (f"[TOOL_CALLS]get_time[ARGS]{TIME}\nDone [soon].", "Done [soon].", [("get_time", TIME)], ""),
+        ("[TOOL_CALLS]get_weather[ARGS]Paris</s>", "get_weatherParis", [], ""),  # no arguments: text
+        ("Use [TOOL_CALLS]get_weather", "Use get_weather", [], ""),  # cut off before its arguments
     ],
     "openai": [
         (f"<|channel|>analysis<|message|>The user wants the weather.<|end|><|start|>assistant"
@@ -115,15 +125,20 @@ def stream(parser, parts: list[str], max_calls=None):
     return content, reasoning, [tuple(c) for c in calls]
 
 
+def chunkings(text: str, seed: int = 0) -> list[list[str]]:
+    """A text split a character at a time, not at all, and at 20 random sets of points."""
+    rng = random.Random(seed)
+    splits = [list(text), [text]]
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1))))
+        splits.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+    return splits
+
+
 @pytest.mark.parametrize("family, text, content, calls, reasoning", FLAT)
 def test_streamed_in_any_chunking_gives_the_whole_result(family, text, content, calls, reasoning):
     parser = PARSERS[family](SPECIAL)
-    rng = random.Random(0)
-    chunkings = [list(text), [text]]  # a character at a time; all at once
-    for _ in range(20):  # random splits
-        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1))))
-        chunkings.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
-    for parts in chunkings:
+    for parts in chunkings(text):
         assert stream(parser, parts) == (content, reasoning, calls), parts
 
 
@@ -134,6 +149,37 @@ def test_content_is_never_sent_before_it_is_known_not_to_be_a_call():
     for ch in 'Sure <tool_call>{"name": "f", "arguments": {}}</tool_call>':
         sent += reader.feed(ch, final=False).content
         assert "Sure".startswith(sent)  # never the space before the call, nor the marker's start
+
+
+def test_mistral_v11_sends_no_call_before_its_name_ends_nor_content_that_may_be_a_marker():
+    reader = ToolCallStream(PARSERS["mistral"]([]))  # no special tokens listed: the markers alone
+    text = 'Sure [TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}'
+    sent, names = "", []
+    for k, ch in enumerate(text, 1):
+        delta = reader.feed(ch, final=k == len(text))
+        sent += delta.content
+        names += [c.name for c in delta.calls if c.name]
+        assert "Sure".startswith(sent)  # never the space before the call, nor "[TOOL_C..."
+    assert sent == "Sure" and names == ["get_weather"]
+
+
+@pytest.mark.parametrize(
+    "text, calls",
+    [
+        # the first call's arguments are no JSON; the second's are cut off (max_tokens)
+        (f'[TOOL_CALLS]get_weather[ARGS]{{"city": Paris}} [TOOL_CALLS]get_time[ARGS]{TIME[:20]}',
+         [("get_weather", '{"city": Paris} '), ("get_time", TIME[:20])]),
+        (f"[TOOL_CALLS]get_time[ARGS]{{[TOOL_CALLS]get_weather[ARGS]{WEATHER}",
+         [("get_time", "{"), ("get_weather", WEATHER)]),
+    ],
+)  # fmt: skip
+def test_mistral_v11_arguments_that_are_no_json_still_make_a_call(text, calls):
+    """As vLLM: once a v11 call's arguments have begun it is a call, its arguments as written
+    (the model then sees in its history the call it tried), whole and streamed alike."""
+    parsed, _ = parse_whole(PARSERS["mistral"](SPECIAL), text)
+    assert (parsed.content, [(c.name, c.arguments) for c in parsed.calls]) == ("", calls)
+    for parts in chunkings(text):
+        assert stream(PARSERS["mistral"](SPECIAL), parts) == ("", "", calls), parts
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():

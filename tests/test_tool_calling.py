@@ -2,7 +2,8 @@
 chunking), tools and tool calls through a chat template, and the chat API through the
 official `openai` SDK on the built-in model: named and required choices (enforced by the
 grammar, the arguments validated by `jsonschema`), auto through a server built with a
-parser, streamed and not, and the 400s of bad tools."""
+parser, streamed and not, the special tokens a parser reads kept for it (a tokenizer with
+Mistral's markers added), and the 400s of bad tools."""
 
 from __future__ import annotations
 
@@ -438,6 +439,80 @@ def test_auto_without_a_call_is_plain_content(hermes_live):
     )  # fmt: skip
     choice = reply.choices[0]
     assert choice.message.content == "It is sunny < 30 degrees" and choice.message.tool_calls is None
+    assert choice.finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def mistral_live(tmp_path_factory, builtin_dir):
+    """A server built with --enable-auto-tool-choice --tool-call-parser mistral on a tiny
+    random Llama whose tokenizer (SmolLM2's) has Mistral's [TOOL_CALLS] and [ARGS] added
+    as special tokens, which a detokenizer drops unless told to keep them. Its `markers`:
+    their token ids."""
+    import shutil
+
+    import transformers as tf
+
+    from ringserve.config import EngineConfig
+    from ringserve.engine.engine import LLMEngine
+    from ringserve.server import build_app
+    from ringserve.tiny_models import TINY, save_random_model
+
+    from helpers import serve_in_thread
+
+    folder = str(tmp_path_factory.mktemp("mistral_markers"))
+    tokenizer = tf.AutoTokenizer.from_pretrained(builtin_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    tokenizer.save_pretrained(folder)
+    shutil.copy(f"{builtin_dir}/chat_template.jinja", folder)
+    config = tf.LlamaConfig(**{**TINY, "vocab_size": len(tokenizer)}, tie_word_embeddings=True)
+    save_random_model(config, folder)
+    engine = LLMEngine(folder, device="cpu", dtype="float32", engine_config=EngineConfig(max_model_len=512))
+    app = build_app(engine, NAME, api_key=KEY, tool_call_parser="mistral", enable_auto_tool_choice=True)
+    with serve_in_thread(app) as url:
+        yield SimpleNamespace(
+            client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0),
+            markers=tokenizer.convert_tokens_to_ids(["[TOOL_CALLS]", "[ARGS]"]),
+        )
+
+
+def _mistral_v11_grammar(markers: list[int]) -> str:
+    """A Lark grammar (llguidance's: <[ID]> is that token) that makes the random model write
+    Mistral v11's call with its markers as the special tokens themselves."""
+    tool_calls, args = markers
+    return f'start: "Checking." <[{tool_calls}]> "get_weather" <[{args}]> {json.dumps(WEATHER)}'
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_the_parsers_markers_reach_it_though_the_request_skips_special_tokens(mistral_live, streamed):
+    """The request leaves skip_special_tokens at its default (true): the server keeps the
+    special tokens of an output its parser reads, which finds the call in them."""
+    kwargs = dict(
+        model=NAME, messages=ASK, max_tokens=60, temperature=0, tools=[GET_WEATHER],
+        extra_body={"structured_outputs": {"grammar": _mistral_v11_grammar(mistral_live.markers)}},
+    )  # fmt: skip
+    if streamed:
+        content, calls, finish = collect_stream(
+            mistral_live.client.chat.completions.create(stream=True, **kwargs)
+        )
+    else:
+        choice = mistral_live.client.chat.completions.create(**kwargs).choices[0]
+        content, finish = choice.message.content, choice.finish_reason
+        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert content == "Checking."
+    assert [(name, args) for _, name, args in calls] == [("get_weather", WEATHER)]
+    assert all(len(call_id) == 9 and call_id.isalnum() for call_id, _, _ in calls)
+    assert finish == "tool_calls"
+
+
+def test_without_the_parser_the_same_output_has_its_markers_dropped(mistral_live):
+    """The same tokens in a request that no parser reads (no tools): the special tokens go,
+    as the detokenizer drops them by default."""
+    reply = mistral_live.client.chat.completions.create(
+        model=NAME, messages=ASK, max_tokens=60, temperature=0,
+        extra_body={"structured_outputs": {"grammar": _mistral_v11_grammar(mistral_live.markers)}},
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.message.content == "Checking.get_weather" + WEATHER and choice.message.tool_calls is None
     assert choice.finish_reason == "stop"
 
 

@@ -2,7 +2,8 @@
 chunking), tools and tool calls through a chat template, and the chat API through the
 official `openai` SDK on the built-in model: named and required choices (enforced by the
 grammar, the arguments validated by `jsonschema`), auto through a server built with a
-parser, streamed and not, and the 400s of bad tools."""
+parser, streamed and not, the special tokens a parser reads kept for it (a tokenizer with
+Mistral's markers added), and the 400s of bad tools."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from conftest import KEY, NAME
 # Special tokens as a tokenizer of each family lists them (stripped from content)
 SPECIAL = [
     "<|begin_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>", "<|im_end|>", "</s>",
-    "[TOOL_CALLS]", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>",
+    "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>",
     "<|return|>", "<|constrain|>",
 ]  # fmt: skip
 
@@ -60,6 +61,16 @@ CASES = {
          f'{{"name": "get_time", "arguments": {TIME}}}]',
          "Two calls.", [("get_weather", WEATHER), ("get_time", TIME)], ""),
         ("[TOOL_CALLS] get_weather(Paris)</s>", " get_weather(Paris)", [], ""),  # malformed
+        # v11 and later (Mistral Small 3.2, Magistral, Devstral): NAME[ARGS]{...} per call
+        (f"[TOOL_CALLS]get_weather[ARGS]{WEATHER}</s>", "", [("get_weather", WEATHER)], ""),
+        (f"Two calls.[TOOL_CALLS]get_weather[ARGS]{WEATHER}[TOOL_CALLS]get_time[ARGS]{TIME}",
+         "Two calls.", [("get_weather", WEATHER), ("get_time", TIME)], ""),
+        # v11 writes back the call ids of its prompt; a detokenizer may drop [ARGS]
+        (f"[TOOL_CALLS] get_weather[CALL_ID]a1B2c3D4e[ARGS] {WEATHER} [TOOL_CALLS]get_time{TIME}",
+         "", [("get_weather", WEATHER), ("get_time", TIME)], ""),
+        (f"[TOOL_CALLS]get_time[ARGS]{TIME}\nDone [soon].", "Done [soon].", [("get_time", TIME)], ""),
+        ("[TOOL_CALLS]get_weather[ARGS]Paris</s>", "get_weatherParis", [], ""),  # no arguments: text
+        ("Use [TOOL_CALLS]get_weather", "Use get_weather", [], ""),  # cut off before its arguments
     ],
     "openai": [
         (f"<|channel|>analysis<|message|>The user wants the weather.<|end|><|start|>assistant"
@@ -115,15 +126,20 @@ def stream(parser, parts: list[str], max_calls=None):
     return content, reasoning, [tuple(c) for c in calls]
 
 
+def chunkings(text: str, seed: int = 0) -> list[list[str]]:
+    """A text split a character at a time, not at all, and at 20 random sets of points."""
+    rng = random.Random(seed)
+    splits = [list(text), [text]]
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1))))
+        splits.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+    return splits
+
+
 @pytest.mark.parametrize("family, text, content, calls, reasoning", FLAT)
 def test_streamed_in_any_chunking_gives_the_whole_result(family, text, content, calls, reasoning):
     parser = PARSERS[family](SPECIAL)
-    rng = random.Random(0)
-    chunkings = [list(text), [text]]  # a character at a time; all at once
-    for _ in range(20):  # random splits
-        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1))))
-        chunkings.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
-    for parts in chunkings:
+    for parts in chunkings(text):
         assert stream(parser, parts) == (content, reasoning, calls), parts
 
 
@@ -134,6 +150,37 @@ def test_content_is_never_sent_before_it_is_known_not_to_be_a_call():
     for ch in 'Sure <tool_call>{"name": "f", "arguments": {}}</tool_call>':
         sent += reader.feed(ch, final=False).content
         assert "Sure".startswith(sent)  # never the space before the call, nor the marker's start
+
+
+def test_mistral_v11_sends_no_call_before_its_name_ends_nor_content_that_may_be_a_marker():
+    reader = ToolCallStream(PARSERS["mistral"]([]))  # no special tokens listed: the markers alone
+    text = 'Sure [TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}'
+    sent, names = "", []
+    for k, ch in enumerate(text, 1):
+        delta = reader.feed(ch, final=k == len(text))
+        sent += delta.content
+        names += [c.name for c in delta.calls if c.name]
+        assert "Sure".startswith(sent)  # never the space before the call, nor "[TOOL_C..."
+    assert sent == "Sure" and names == ["get_weather"]
+
+
+@pytest.mark.parametrize(
+    "text, calls",
+    [
+        # the first call's arguments are no JSON; the second's are cut off (max_tokens)
+        (f'[TOOL_CALLS]get_weather[ARGS]{{"city": Paris}} [TOOL_CALLS]get_time[ARGS]{TIME[:20]}',
+         [("get_weather", '{"city": Paris} '), ("get_time", TIME[:20])]),
+        (f"[TOOL_CALLS]get_time[ARGS]{{[TOOL_CALLS]get_weather[ARGS]{WEATHER}",
+         [("get_time", "{"), ("get_weather", WEATHER)]),
+    ],
+)  # fmt: skip
+def test_mistral_v11_arguments_that_are_no_json_still_make_a_call(text, calls):
+    """As vLLM: once a v11 call's arguments have begun it is a call, its arguments as written
+    (the model then sees in its history the call it tried), whole and streamed alike."""
+    parsed, _ = parse_whole(PARSERS["mistral"](SPECIAL), text)
+    assert (parsed.content, [(c.name, c.arguments) for c in parsed.calls]) == ("", calls)
+    for parts in chunkings(text):
+        assert stream(PARSERS["mistral"](SPECIAL), parts) == ("", "", calls), parts
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
@@ -392,6 +439,80 @@ def test_auto_without_a_call_is_plain_content(hermes_live):
     )  # fmt: skip
     choice = reply.choices[0]
     assert choice.message.content == "It is sunny < 30 degrees" and choice.message.tool_calls is None
+    assert choice.finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def mistral_live(tmp_path_factory, builtin_dir):
+    """A server built with --enable-auto-tool-choice --tool-call-parser mistral on a tiny
+    random Llama whose tokenizer (SmolLM2's) has Mistral's [TOOL_CALLS] and [ARGS] added
+    as special tokens, which a detokenizer drops unless told to keep them. Its `markers`:
+    their token ids."""
+    import shutil
+
+    import transformers as tf
+
+    from ringserve.config import EngineConfig
+    from ringserve.engine.engine import LLMEngine
+    from ringserve.server import build_app
+    from ringserve.tiny_models import TINY, save_random_model
+
+    from helpers import serve_in_thread
+
+    folder = str(tmp_path_factory.mktemp("mistral_markers"))
+    tokenizer = tf.AutoTokenizer.from_pretrained(builtin_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    tokenizer.save_pretrained(folder)
+    shutil.copy(f"{builtin_dir}/chat_template.jinja", folder)
+    config = tf.LlamaConfig(**{**TINY, "vocab_size": len(tokenizer)}, tie_word_embeddings=True)
+    save_random_model(config, folder)
+    engine = LLMEngine(folder, device="cpu", dtype="float32", engine_config=EngineConfig(max_model_len=512))
+    app = build_app(engine, NAME, api_key=KEY, tool_call_parser="mistral", enable_auto_tool_choice=True)
+    with serve_in_thread(app) as url:
+        yield SimpleNamespace(
+            client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0),
+            markers=tokenizer.convert_tokens_to_ids(["[TOOL_CALLS]", "[ARGS]"]),
+        )
+
+
+def _mistral_v11_grammar(markers: list[int]) -> str:
+    """A Lark grammar (llguidance's: <[ID]> is that token) that makes the random model write
+    Mistral v11's call with its markers as the special tokens themselves."""
+    tool_calls, args = markers
+    return f'start: "Checking." <[{tool_calls}]> "get_weather" <[{args}]> {json.dumps(WEATHER)}'
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_the_parsers_markers_reach_it_though_the_request_skips_special_tokens(mistral_live, streamed):
+    """The request leaves skip_special_tokens at its default (true): the server keeps the
+    special tokens of an output its parser reads, which finds the call in them."""
+    kwargs = dict(
+        model=NAME, messages=ASK, max_tokens=60, temperature=0, tools=[GET_WEATHER],
+        extra_body={"structured_outputs": {"grammar": _mistral_v11_grammar(mistral_live.markers)}},
+    )  # fmt: skip
+    if streamed:
+        content, calls, finish = collect_stream(
+            mistral_live.client.chat.completions.create(stream=True, **kwargs)
+        )
+    else:
+        choice = mistral_live.client.chat.completions.create(**kwargs).choices[0]
+        content, finish = choice.message.content, choice.finish_reason
+        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert content == "Checking."
+    assert [(name, args) for _, name, args in calls] == [("get_weather", WEATHER)]
+    assert all(len(call_id) == 9 and call_id.isalnum() for call_id, _, _ in calls)
+    assert finish == "tool_calls"
+
+
+def test_without_the_parser_the_same_output_has_its_markers_dropped(mistral_live):
+    """The same tokens in a request that no parser reads (no tools): the special tokens go,
+    as the detokenizer drops them by default."""
+    reply = mistral_live.client.chat.completions.create(
+        model=NAME, messages=ASK, max_tokens=60, temperature=0,
+        extra_body={"structured_outputs": {"grammar": _mistral_v11_grammar(mistral_live.markers)}},
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.message.content == "Checking.get_weather" + WEATHER and choice.message.tool_calls is None
     assert choice.finish_reason == "stop"
 
 

@@ -7,8 +7,9 @@ what may yet turn into a call (the start of a marker, a call whose name is not c
 so that each reading extends the one before. A stream (ToolCallStream) sends the difference
 between successive readings, so streamed and whole responses carry the same calls.
 
-Arguments are the text the model wrote for them (valid JSON, its whitespace kept), never
-re-serialized, so a streamed call's fragments join to exactly the whole response's.
+Arguments are the text the model wrote for them (valid JSON, its whitespace kept; only
+Mistral's v11 form keeps malformed ones, as vLLM does), never re-serialized, so a streamed
+call's fragments join to exactly the whole response's.
 
 Special tokens: the markers of these families are (or may be) special tokens, which the
 detokenizer drops by default; a request parsed here keeps them (keeps_special_tokens, as
@@ -17,13 +18,22 @@ vLLM's parsers adjust the request) and the parser strips every special token fro
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import string
 import uuid
 from dataclasses import dataclass, field
 
-from ringserve.server.json_prefix import CallScan, Malformed, scan_call, scan_call_list, skip_ws
+from ringserve.server.json_prefix import (
+    CallScan,
+    Incomplete,
+    Malformed,
+    scan_call,
+    scan_call_list,
+    skip_ws,
+    value_end,
+)
 
 
 @dataclass
@@ -199,12 +209,25 @@ class Llama3Json(ToolParser):
 
 
 class Mistral(ToolParser):
-    """Mistral: [TOOL_CALLS] then a JSON list of {"name": ..., "arguments": {...}}; text
-    before it is content. Call ids are 9 letters and digits, as Mistral's templates require."""
+    """Mistral, in either of its tokenizers' forms; text before the first call is content.
+
+    Before v11 (Mistral 7B v0.3, Nemo): [TOOL_CALLS] then a JSON list of
+    {"name": ..., "arguments": {...}}.
+    v11 and later (Mistral Small 3.x, Magistral, Devstral): each call is
+    [TOOL_CALLS]NAME[ARGS]{...}, and v11 may write the id it was shown in its prompts,
+    [TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...} (that id is dropped: a call gets a new one). As
+    vLLM reads it, the name runs to the arguments' "{" ([ARGS] may be missing from text a
+    detokenizer wrote without it), and once the arguments have begun it is a call even if
+    they turn out no JSON (cut off, malformed): its arguments are then the text as written,
+    up to the next [TOOL_CALLS], so that the model sees in its history what it tried.
+
+    Call ids are 9 letters and digits, as Mistral's templates require."""
 
     name = "mistral"
-    TAG = "[TOOL_CALLS]"
+    TAG, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
     markers = (TAG,)
+    _NAME = re.compile(r"[\w.-]+")  # a function name: letters, digits, _ - and .
+    _ID = re.compile(r"\w*")
 
     def new_call_id(self) -> str:
         return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
@@ -213,17 +236,72 @@ class Mistral(ToolParser):
         out: list[str | ToolCall] = []
         pos = 0
         while (start := text.find(self.TAG, pos)) >= 0:
+            body = skip_ws(text, start + len(self.TAG))
             try:
-                scans, end = scan_call_list(text, skip_ws(text, start + len(self.TAG)), ("arguments",))
-                if end is None and final:
-                    raise Malformed
+                if text.startswith("[", body):  # a JSON list: the form before v11
+                    calls, end = self._call_list(text, body, final)
+                else:
+                    calls, end = self._named_call(text, body, final)
             except Malformed:
                 return [*out, self.open_tail(text[pos:], final)]
-            out += [text[pos:start], *_shown(scans)]
+            out += [text[pos:start], *calls]
             if end is None:
                 return out
             pos = end
         return [*out, self.open_tail(text[pos:], final)]
+
+    def _call_list(self, text: str, i: int, final: bool) -> tuple[list[ToolCall], int | None]:
+        """The calls of the JSON list at text[i] and the index after it (None while it is
+        incomplete); Malformed when it is no list of calls, or is cut off."""
+        scans, end = scan_call_list(text, i, ("arguments",))
+        if end is None and final:
+            raise Malformed
+        return _shown(scans), end
+
+    def _named_call(self, text: str, i: int, final: bool) -> tuple[list[ToolCall], int | None]:
+        """The v11 call NAME[ARGS]{...} at text[i] (no call while its name may still grow)
+        and the index after it (None while it runs to the end of the text); Malformed when
+        no arguments follow the name, or the text ends (final) before they begin."""
+        head = self._call_head(text, i)
+        if head is None:
+            if final:
+                raise Malformed
+            return [], None
+        name, args = head
+        # a [TOOL_CALLS] starts the next call, whatever the arguments before it hold
+        next_call = text.find(self.TAG, args)
+        segment_end = len(text) if next_call < 0 else next_call
+        try:
+            end = value_end(text[:segment_end], args)
+            json.loads(text[args:end])  # the escapes inside its strings too
+            return [ToolCall(name, text[args:end])], end
+        except (Incomplete, Malformed, json.JSONDecodeError):
+            if next_call < 0 and not final:  # still being written (or a malformed tail)
+                return [ToolCall(name, self.open_tail(text[args:], final))], None
+            return [ToolCall(name, text[args:segment_end])], segment_end
+
+    def _call_head(self, text: str, i: int) -> tuple[str, int] | None:
+        """NAME, an optional [CALL_ID]ID and an optional [ARGS] at text[i], then whitespace:
+        the name and where the arguments' "{" is; None while the text ends inside it."""
+        name = self._NAME.match(text, i)
+        if name is None:
+            if i == len(text):
+                return None
+            raise Malformed
+        j = name.end()
+        for marker, value in ((self.CALL_ID, self._ID), (self.ARGS, None)):
+            if text.startswith(marker, j):
+                j += len(marker)
+                if value is not None:
+                    j = value.match(text, j).end()
+            elif marker.startswith(text[j:]):  # the name, or the marker, may yet go on
+                return None
+        j = skip_ws(text, j)
+        if j == len(text):
+            return None
+        if text[j] != "{":
+            raise Malformed
+        return name.group(), j
 
 
 class OpenAIHarmony(ToolParser):

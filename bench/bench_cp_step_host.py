@@ -32,14 +32,14 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ringserve.config import ModelConfig
 from ringserve.engine.block_manager import BlockManager
-from ringserve.engine.kv_cache import KVCache
-from ringserve.engine.kv_groups import KVGroups
-from ringserve.engine.runner import ModelRunner
 from ringserve.engine.scheduler import ScheduledBatch
 from ringserve.engine.sequence import Sequence
-from ringserve.engine.step_input import StepInput
+from ringserve.model.weights import build_model
 from ringserve.sampling_params import SamplingParams
-from ringserve.weights import build_model
+from ringserve.worker.kv_cache import KVCache
+from ringserve.worker.kv_groups import KVGroups
+from ringserve.worker.runner import ModelRunner
+from ringserve.worker.step_input import StepInput
 
 BLOCK = 16
 

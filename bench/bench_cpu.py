@@ -82,7 +82,7 @@ def transformers_prefill(folder: str, prompt: list[int]):
 
 
 def builtin_folder() -> str:
-    from ringserve.gguf_import import builtin_model_path, converted_folder
+    from ringserve.model.gguf_import import builtin_model_path, converted_folder
 
     return converted_folder(builtin_model_path())
 

@@ -7,7 +7,7 @@ variant), captured in one CUDA graph and replayed, at batch 1 and 16:
   normepi   no norm kernels: each RMSNorm's weight folded into the matmul after it, whose
             epilogue scales by rstd; the matmul before it adds the residual in its epilogue
             and adds its columns' sum of squares to the row's (atomics); one memset a step
-  glu       skinny, with gate/up's SiLU-mul in its epilogue (ringserve.skinny_matmul's
+  glu       skinny, with gate/up's SiLU-mul in its epilogue (ringserve.kernels.skinny_matmul's
             gated_linear: no SiLU-mul kernel, no [M, 2I] round trip); tiles swept first
   normepi+glu  both: gate/up's gated epilogue scales by rstd, then applies SiLU-mul
   (programmatic dependent launch with each skinny program's first weight tile read before
@@ -24,8 +24,8 @@ variant), captured in one CUDA graph and replayed, at batch 1 and 16:
   gained nothing at e455245^ and were dropped: BENCHMARKS.md; the code is in e455245)
   (an L2 prefetch of o_proj's weight on a side stream while attention runs was measured
   slower at e982a09 and dropped: BENCHMARKS.md; its code is in commit 2327384)
-  engine    the engine's own functions (ringserve.kernels, skinny_matmul, paged_attention),
-            every kernel launched with programmatic dependent launch (ringserve.pdl); with
+  engine    the engine's own functions (ringserve.kernels.elementwise, skinny_matmul, paged_attention),
+            every kernel launched with programmatic dependent launch (ringserve.kernels.pdl); with
             --attention, q/k/v's matmul does RoPE and the KV store (qkv_rope_store)
   engine-nopdl  the same without PDL
   (PDL with the skinny matmul letting the next kernel launch only after its weight stream,
@@ -49,9 +49,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ringserve import paged_attention as pa
-from ringserve.kernels import add_rms_norm, rotary_store_kv, silu_mul
-from ringserve.skinny_matmul import (
+from ringserve.attention import paged as pa
+from ringserve.kernels.elementwise import add_rms_norm, rotary_store_kv, silu_mul
+from ringserve.kernels.skinny_matmul import (
     gated_activation,
     qkv_rope_store,
     skinny_linear,

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import machine_info, measure_ceilings, write_json  # noqa: E402
 
-from ringserve.attention import attention_rows  # noqa: E402
+from ringserve.attention.dense import attention_rows  # noqa: E402
 from ringserve.config import AttentionWindow, EngineConfig  # noqa: E402
 from ringserve.engine.block_manager import BlockManager  # noqa: E402
 from ringserve.engine.engine import LLMEngine  # noqa: E402

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import event_time_ms, machine_info, measure_ceilings, write_json  # noqa: E402
 
 from ringserve.config import ModelConfig, TPShard  # noqa: E402
-from ringserve.model import SparseMoeBlock  # noqa: E402
+from ringserve.model.decoder import SparseMoeBlock  # noqa: E402
 from ringserve.parallel.ep import LocalExperts  # noqa: E402
 
 H, INTER, E, K = 4096, 14336, 8, 2

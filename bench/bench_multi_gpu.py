@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import machine_info, write_json  # noqa: E402
 
 from ringserve import LLM, SamplingParams  # noqa: E402
-from ringserve.model import Experts  # noqa: E402
+from ringserve.model.decoder import Experts  # noqa: E402
 from ringserve.parallel.allreduce import AllReduce, save_thresholds  # noqa: E402
 from ringserve.parallel.allreduce_bench import ALGORITHMS, thresholds_from  # noqa: E402
 from ringserve.parallel.ep import ExpertParallel  # noqa: E402
@@ -102,7 +102,7 @@ def _model_folder(smoke):
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
     if smoke:
-        from ringserve.tiny_models import save_tiny_model
+        from ringserve.model.tiny_models import save_tiny_model
 
         return save_tiny_model("llama", folder)
     from common import llama3_8b_config

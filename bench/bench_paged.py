@@ -14,7 +14,7 @@ import torch
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ringserve import paged_attention as pa  # noqa: E402
+from ringserve.attention import paged as pa  # noqa: E402
 
 NH, NKV, D, BS = 32, 8, 128, 16
 CASES = [(1, 1024), (1, 32768), (1, 131072), (16, 1024), (64, 1024), (16, 8192)]  # (batch, context)

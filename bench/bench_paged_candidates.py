@@ -7,7 +7,7 @@ the engine's own KV-cache layout, so that the kernel is picked on figures.
   (TRITON_INTERPRET=1 with --device cpu runs our Triton kernel in Triton's interpreter)
 
 Candidates, each reading the same cache through the same block tables:
-- ours: `ringserve.paged_attention.paged_attention`, called as the engine's eager decode step
+- ours: `ringserve.attention.paged.paged_attention`, called as the engine's eager decode step
   calls it (split-KV count from `decode_splits`); returns the LSE.
 - flex: `torch.compile(flex_attention)` over the whole cache seen as one sequence of slots,
   with a BlockMask whose KV blocks are each sequence's pages (its block-table row), GQA by
@@ -19,7 +19,7 @@ Candidates, each reading the same cache through the same block tables:
   of cuDNN's samples), made once and not timed: not the engine's layout, but it says whether
   cuDNN needs (or gains from) a change of it.
 
-Layout (ringserve/engine/kv_cache.py): per layer k and v [(num_blocks + 1) * block_size, NKV, D], token
+Layout (ringserve/worker/kv_cache.py): per layer k and v [(num_blocks + 1) * block_size, NKV, D], token
 t of a sequence in slot table[t // block_size] * block_size + t % block_size; block size the
 engine's default. One cache, sized for the largest case, serves every case; each case draws
 its blocks from it in random order (a sequence's pages are scattered, as in a long-running
@@ -57,9 +57,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # this tree's ringserve, whatever is installed
 
-from ringserve.engine.kv_cache import KVCache  # noqa: E402
-from ringserve.engine.kv_groups import KVGroups  # noqa: E402
 from ringserve.options import EngineOptions  # noqa: E402
+from ringserve.worker.kv_cache import KVCache  # noqa: E402
+from ringserve.worker.kv_groups import KVGroups  # noqa: E402
 
 CANDIDATES = ("ours", "flex", "cudnn", "cudnn_hnd")
 # bf16 output against float32: |err| <= ATOL + RTOL * |ref| (bf16 keeps 8 bits of mantissa);
@@ -209,7 +209,7 @@ def reference(inp: Inputs):
 
 
 def ours_factory(device: torch.device):
-    from ringserve import paged_attention as pa
+    from ringserve.attention import paged as pa
 
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 

@@ -19,9 +19,9 @@ from functools import partial
 import torch
 
 from bench.common import event_time_ms, gpu_state, machine_info, wall_ms, write_json
-from ringserve import attention
-from ringserve.attention import dense_block, dense_block_math, dense_per_sequence
-from ringserve.paged_attention import PagedBatch, gather_plan, paged_attention, tile_queries
+from ringserve.attention import dense as attention
+from ringserve.attention.dense import dense_block, dense_block_math, dense_per_sequence
+from ringserve.attention.paged import PagedBatch, gather_plan, paged_attention, tile_queries
 
 NH, NKV, D = 32, 8, 128
 SCALE = D**-0.5

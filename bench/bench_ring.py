@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import event_time_ms, machine_info, measure_ceilings, write_json  # noqa: E402
 
-from ringserve.attention import attention_rows, dense_block  # noqa: E402
+from ringserve.attention.dense import attention_rows, dense_block  # noqa: E402
 from ringserve.engine.block_manager import BlockManager  # noqa: E402
 from ringserve.engine.sequence import Sequence  # noqa: E402
-from ringserve.lse_merge import merge_partials  # noqa: E402
+from ringserve.kernels.lse_merge import merge_partials  # noqa: E402
 from ringserve.parallel.cp import RingStep  # noqa: E402
 from ringserve.sampling_params import SamplingParams  # noqa: E402
 

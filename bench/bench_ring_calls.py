@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_ring import NH, NKV, D, ring_step_for  # noqa: E402
 from common import event_time_ms, machine_info, write_json  # noqa: E402
 
-from ringserve import lse_merge  # noqa: E402
-from ringserve.attention import dense_block  # noqa: E402
+from ringserve.attention.dense import dense_block  # noqa: E402
+from ringserve.kernels import lse_merge  # noqa: E402
 
 
 def host_us(fn, reps: int = 50) -> float:
@@ -79,7 +79,7 @@ def profile_ring(tokens: int, n: int) -> None:
 def chunk_after_prefix() -> list[dict]:
     """A prefill chunk after its cached prefix (chunked prefill, a follow-up turn): one flash
     varlen call against per-sequence cuDNN calls with the bottom-right causal mask."""
-    from ringserve.attention import (
+    from ringserve.attention.dense import (
         VarlenBatch,
         _cudnn_per_sequence,
         _flash_varlen,

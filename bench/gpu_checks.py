@@ -14,11 +14,11 @@ from ringserve import (
     SamplingParams,
     lse_merge,
 )
-from ringserve.attention import VarlenBatch, _math_varlen, attention_with_lse
+from ringserve.attention.dense import VarlenBatch, _math_varlen, attention_with_lse
 from ringserve.config import AttentionWindow
 from ringserve.engine.engine import LLMEngine
 from ringserve.engine.logits_probe import engine_logits
-from ringserve.tiny_models import (
+from ringserve.model.tiny_models import (
     ARCHITECTURES,
     hf_greedy,
     hf_model,
@@ -178,7 +178,7 @@ def check_merge():
 def check_skinny():
     """The skinny decode matmul on Llama-3-8B's and a tp=2 shard's shapes against cuBLAS in
     float32, for 1, 3 and 16 rows, with and without a bias; and that it is the path taken."""
-    from ringserve import skinny_matmul
+    from ringserve.kernels import skinny_matmul
 
     torch.manual_seed(0)
     shapes = [
@@ -290,7 +290,7 @@ def check_skinny_engine():
     round differently; bench/gpu_decode_checks.py compares them on the tiny models.)"""
     import transformers as tf
 
-    from ringserve import skinny_matmul
+    from ringserve.kernels import skinny_matmul
 
     config = tf.LlamaConfig(
         vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
@@ -442,7 +442,7 @@ def check_models():
 
 def check_paged():
     """The paged kernel in bf16 against the math path over each context gathered by hand."""
-    from ringserve import paged_attention as pa
+    from ringserve.attention import paged as pa
 
     torch.manual_seed(0)
     nh, nkv, d, bs = 32, 8, 128, 16

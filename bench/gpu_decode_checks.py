@@ -3,7 +3,7 @@
   python bench/gpu_decode_checks.py            # CUDA, float32; exits non-zero on a failure
   python bench/gpu_decode_checks.py --smoke    # CPU, fewer steps: the logic only
 
-For each tiny architecture of ringserve/tiny_models.py, in float32:
+For each tiny architecture of ringserve/model/tiny_models.py, in float32:
 - greedy tokens over 256 decode steps (ignore_eos) with CUDA graphs and async scheduling
   equal those with enforce_eager=True and synchronous steps, at batch 1, 3 and 17 with prompts of different lengths, and at batch 17
   with staggered max_tokens (the batch shrinks from 17 to 1 as sequences finish, so many graph
@@ -33,7 +33,7 @@ from bench_decode import engine_config, engine_kwargs, has_enforce_eager  # noqa
 import ringserve.engine.engine as engine_module  # noqa: E402
 from ringserve import LLM, SamplingParams  # noqa: E402
 from ringserve.engine.engine import LLMEngine  # noqa: E402
-from ringserve.tiny_models import ARCHITECTURES, save_tiny_model  # noqa: E402
+from ringserve.model.tiny_models import ARCHITECTURES, save_tiny_model  # noqa: E402
 
 KV_CACHE_MEMORY = 256 << 20  # plenty for the tiny models; leaves the GPU to the rest
 

@@ -15,12 +15,12 @@ import torch
 
 from ringserve import LLM, SamplingParams
 from ringserve.engine.executor import MultiprocessExecutor
-from ringserve.parallel.allreduce import AllReduce
-from ringserve.tiny_models import (
+from ringserve.model.tiny_models import (
     hf_greedy,
     hf_model,
     save_tiny_model,
 )
+from ringserve.parallel.allreduce import AllReduce
 
 
 def main():

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm import tqdm
 
-from ringserve.chat import check_conversation, is_batch
+from ringserve.engine.chat_template import check_conversation, is_batch
 from ringserve.errors import RequestError
 from ringserve.options import EngineOptions
 from ringserve.outputs import RequestOutput
@@ -48,7 +48,9 @@ class LLM:
 
     def _init(self, options: EngineOptions) -> None:
         self.options = options
-        self.engine = options.create_engine()
+        from ringserve.engine.engine import LLMEngine  # here: `import ringserve` stays light
+
+        self.engine = LLMEngine.from_options(options)
         self.parallel_config = self.engine.parallel
 
     @property

@@ -3,7 +3,8 @@
 `EngineOptions` holds every option with its default and help text, and `validate()` checks
 them all (a ValueError that names the option). From it come the command-line flags
 (`add_cli_args`, `from_cli_args`), the configs the engine runs on (`parallel_config()`,
-`engine_config()`) and the engine itself (`create_engine()`). A new option is a new field
+`engine_config()`), from which the engine builds itself (`LLMEngine.from_options`). A new
+option is a new field
 here; tests/test_options.py fails until it reaches the engine from every entry point.
 """
 
@@ -22,9 +23,8 @@ from typing import Any
 import torch
 
 from ringserve.config import DTYPES, EngineConfig, ParallelConfig
+from ringserve.config.names import ALLREDUCE_BACKENDS, CP_ALGOS
 from ringserve.errors import RingserveError
-from ringserve.parallel.allreduce import BACKENDS
-from ringserve.parallel.cp import CP_ALGOS
 
 
 class OptionError(RingserveError, ValueError):
@@ -84,7 +84,7 @@ class EngineOptions:
     allreduce: str = _opt(
         "auto",
         "tensor-parallel allreduce: auto picks by message size from `ringserve bench allreduce`",
-        choices=BACKENDS,
+        choices=ALLREDUCE_BACKENDS,
     )
     cp_algo: str = _opt(
         "auto", "context-parallel ring: auto chooses per step from new vs cached tokens", choices=CP_ALGOS
@@ -193,7 +193,7 @@ class EngineOptions:
                 f"must be at least max_num_batched_tokens ({self.max_num_batched_tokens}), "
                 f"got {self.max_prefill_tokens}",
             )
-        _check_choice("allreduce", self.allreduce, BACKENDS)
+        _check_choice("allreduce", self.allreduce, ALLREDUCE_BACKENDS)
         _check_choice("cp_algo", self.cp_algo, CP_ALGOS)
         if not _is_number(self.timeout_s) or not 0 < self.timeout_s < math.inf:
             raise OptionError("timeout_s", f"must be a positive number of seconds, got {self.timeout_s!r}")
@@ -270,12 +270,6 @@ class EngineOptions:
         if self.show_progress is None:
             return sys.stderr is not None and sys.stderr.isatty()
         return self.show_progress
-
-    def create_engine(self, weights=None):
-        """The engine these options describe. weights: in-memory tensors by Hugging Face name."""
-        from ringserve.engine.engine import LLMEngine
-
-        return LLMEngine(options=self, weights=weights)
 
     # Construction -----------------------------------------------------------------------
 

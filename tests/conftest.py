@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ringserve.tiny_models import save_tiny_model
+from ringserve.model.tiny_models import save_tiny_model
 
 
 def pytest_configure(config):
@@ -43,7 +43,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def builtin_dir():
-    from ringserve.gguf_import import builtin_model_path, converted_folder
+    from ringserve.model.gguf_import import builtin_model_path, converted_folder
 
     return converted_folder(builtin_model_path())
 
@@ -56,7 +56,7 @@ def smol_vocab_model(tmp_path_factory, builtin_dir):
 
     import transformers as tf
 
-    from ringserve.tiny_models import TINY, save_random_model
+    from ringserve.model.tiny_models import TINY, save_random_model
 
     folder = str(tmp_path_factory.mktemp("smol_vocab_llama"))
     config = tf.LlamaConfig(**{**TINY, "vocab_size": 49152}, tie_word_embeddings=True)

@@ -62,7 +62,7 @@ def test_bench_allreduce_command_stores_thresholds(tmp_path, monkeypatch, capsys
     """Real timings on two gloo ranks. One size: whichever backend wins there, size bands can
     follow it, so a busy machine cannot make the result contradict its table (that refusal
     is tested on synthetic tables in test_measured_settings.py)."""
-    from ringserve.cli import main
+    from ringserve.cli.main import main
 
     monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))
     assert (

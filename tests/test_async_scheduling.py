@@ -154,8 +154,8 @@ def test_pending_tokens_reach_the_model_from_the_device(llama):
     """The placeholder the host holds must never reach the model: run the runner with a
     step whose token is pending and compare with the real id given on the host; on the
     eager path, and on the decode graphs' (run without capture on the CPU)."""
-    from ringserve.engine.graphs import DecodeGraphs
-    from ringserve.engine.step_input import StepInput
+    from ringserve.worker.graphs import DecodeGraphs
+    from ringserve.worker.step_input import StepInput
 
     with LLM(llama, device="cpu", dtype="float32", enable_prefix_caching=False) as llm:
         runner = llm.engine.executor.worker.runner

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringserve.attention import VarlenBatch, attention_with_lse, dense_block, dense_block_math
-from ringserve.lse_merge import merge_partials
+from ringserve.attention.dense import VarlenBatch, attention_with_lse, dense_block, dense_block_math
+from ringserve.kernels.lse_merge import merge_partials
 
 
 def reference(q, k, v, q_pos, k_pos):
@@ -156,7 +156,7 @@ def _positions_batch(q_pos: list, k_pos: list) -> VarlenBatch:
 def _planned_equals_math(batch: VarlenBatch, seed: int = 7):
     """The plan's dense blocks (cuDNN on a GPU, the same arithmetic here) against the
     position-masked math path."""
-    from ringserve.attention import _math_varlen, _planned
+    from ringserve.attention.dense import _math_varlen, _planned
 
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(len(batch.q_positions), 4, 8, generator=g)
@@ -233,7 +233,7 @@ def test_decode_steps_are_planned_as_one_fused_call():
 def test_chunks_after_a_cached_prefix_as_dense_blocks():
     """The GPU path for long chunks after a prefix (the prefix unmasked, the chunk's causal
     diagonal, merged by LSE; here the same blocks in float32) equals the varlen reference."""
-    from ringserve.attention import dense_per_sequence
+    from ringserve.attention.dense import dense_per_sequence
 
     q, k, v, batch = packed([9, 12, 5], [30, 12, 19], seed=5)  # after a prefix, a whole prompt, after one
     out, lse = dense_per_sequence(q, k, v, batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist(), 16**-0.5)
@@ -278,7 +278,7 @@ CPU_LAYOUTS = {
 def test_cpu_flash_path_matches_math_and_float64(layout, nh, nkv, monkeypatch):
     """The engine's CPU batches (causal suffix, host bounds) go through the CPU flash kernel
     per sequence; it equals the position-masked math path and a float64 softmax."""
-    import ringserve.attention as attention
+    import ringserve.attention.dense as attention
 
     lengths_q, lengths_k = CPU_LAYOUTS[layout]
     scale = 32**-0.5

@@ -26,7 +26,7 @@ from ringserve.benchmarks.datasets import (
 )
 from ringserve.benchmarks.metrics import summarize
 from ringserve.benchmarks.serve import max_rate_meeting_slos
-from ringserve.cli import main
+from ringserve.cli.main import main
 
 from conftest import KEY, MAX_MODEL_LEN, scrape_metrics
 

@@ -5,8 +5,8 @@ import os
 import pytest
 
 from ringserve import LLM, SamplingParams
-from ringserve.cli import main
-from ringserve.tiny_models import hf_greedy, hf_model
+from ringserve.cli.main import main
+from ringserve.model.tiny_models import hf_greedy, hf_model
 
 QUESTION = "What is the capital of France?"
 
@@ -38,7 +38,7 @@ def test_builtin_answers_paris_through_the_chat_template(llm):
 
 
 def test_gguf_conversion_is_cached(builtin_dir):
-    from ringserve.gguf_import import builtin_model_path, converted_folder
+    from ringserve.model.gguf_import import builtin_model_path, converted_folder
 
     stamp = os.path.getmtime(os.path.join(builtin_dir, "model.safetensors"))
     assert converted_folder(builtin_model_path()) == builtin_dir
@@ -50,7 +50,7 @@ def test_gguf_conversion_is_cached(builtin_dir):
 def test_gguf_conversion_shows_its_progress(tmp_path, monkeypatch, capsys):
     import re
 
-    from ringserve.gguf_import import builtin_model_path, converted_folder
+    from ringserve.model.gguf_import import builtin_model_path, converted_folder
 
     monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))  # a fresh cache: the first run converts
     gguf = builtin_model_path()
@@ -135,7 +135,7 @@ def test_greedy_batch_of_chat_prompts_matches_alone(llm):
 def test_cli_sampling_flags_reach_the_sampling_params():
     import argparse
 
-    from ringserve.cli import add_sampling_args, sampling_params
+    from ringserve.cli.common import add_sampling_args, sampling_params
 
     parser = argparse.ArgumentParser()
     add_sampling_args(parser, max_tokens=7)

@@ -10,8 +10,8 @@ from ringserve.cache_dir import CACHE_ENV, cache_root
 
 
 def test_nothing_reaches_the_home_cache(tmp_path, monkeypatch, capsys, builtin_dir, pytestconfig):
-    from ringserve.cli import main
-    from ringserve.gguf_import import builtin_model_path, converted_folder
+    from ringserve.cli.main import main
+    from ringserve.model.gguf_import import builtin_model_path, converted_folder
 
     home = tmp_path / "home"
     home.mkdir()

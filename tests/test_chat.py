@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from ringserve import LLM, SamplingParams
-from ringserve.chat import render
+from ringserve.engine.chat_template import render
 from ringserve.errors import RequestError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ringserve import LLM, SamplingParams
-from ringserve.attention import VarlenBatch, attention_with_lse
+from ringserve.attention.dense import VarlenBatch, attention_with_lse
 from ringserve.config import FULL_ATTENTION, AttentionWindow
 from ringserve.engine.logits_probe import engine_logits
 from ringserve.parallel.cp import CPCalibration, PagedKeys, RingAttention, choose_cp_algo
@@ -292,7 +292,7 @@ def test_auto_rule_crossover_with_the_papers_figures():
 
 
 def test_calibration_command_feeds_auto(tmp_path, monkeypatch, capsys):
-    from ringserve.cli import main
+    from ringserve.cli.main import main
 
     monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))
     assert main(["bench", "cp-calibrate", "--device", "cpu"]) == 0
@@ -303,7 +303,7 @@ def test_calibration_command_feeds_auto(tmp_path, monkeypatch, capsys):
 
 
 def test_cli_generate_with_context_parallelism(capsys):
-    from ringserve.cli import main
+    from ringserve.cli.main import main
 
     # The built-in model over two CP ranks: the same answer as on one.
     assert (

@@ -11,8 +11,8 @@ import torch
 from ringserve.engine.block_manager import RELEASED, BlockManager
 from ringserve.engine.scheduler import Scheduler
 from ringserve.engine.sequence import Sequence, Status
-from ringserve.engine.step_input import StepInput
 from ringserve.sampling_params import SamplingParams
+from ringserve.worker.step_input import StepInput
 
 from helpers import ring_step
 

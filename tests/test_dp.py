@@ -21,10 +21,10 @@ from ringserve.engine.executor import WorkerError
 from ringserve.engine.logits_probe import engine_logits
 from ringserve.engine.scheduler import Scheduler
 from ringserve.engine.sequence import Sequence
+from ringserve.model.tiny_models import hf_greedy, hf_model
 from ringserve.options import OptionError
 from ringserve.server.async_engine import AsyncEngine
 from ringserve.server.metrics import Metrics
-from ringserve.tiny_models import hf_greedy, hf_model
 
 ENGINE = dict(device="cpu", dtype="float32", block_size=4, timeout_s=60)
 

@@ -9,11 +9,11 @@ import torch
 from ringserve import LLM, SamplingParams
 from ringserve.config import ParallelConfig
 from ringserve.engine.logits_probe import engine_logits
-from ringserve.model import Experts
+from ringserve.model.decoder import Experts
+from ringserve.model.tiny_models import hf_greedy, hf_model
 from ringserve.parallel.ep import ExpertParallel, LocalExperts
 from ringserve.parallel.local_world import run_local_world
 from ringserve.parallel.mesh import Mesh, build_groups
-from ringserve.tiny_models import hf_greedy, hf_model
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 PROMPTS = [list(range(3, 40)), [5, 17, 42, 99, 3, 250, 7]]

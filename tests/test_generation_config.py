@@ -11,8 +11,8 @@ import pytest
 
 from ringserve import LLM, SamplingParams
 from ringserve.engine.engine import LLMEngine
+from ringserve.model.tiny_models import hf_greedy, hf_model
 from ringserve.server import build_app
-from ringserve.tiny_models import hf_greedy, hf_model
 
 from helpers import serve_in_thread
 

@@ -16,7 +16,7 @@ WINDOW_BLOCKS = -(-(7 + BS) // BS) + 2
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    from ringserve.tiny_models import hf_model, save_tiny_model
+    from ringserve.model.tiny_models import hf_model, save_tiny_model
 
     folder = save_tiny_model("qwen3_hybrid", str(tmp_path_factory.mktemp("qwen3_hybrid")))
     return folder, hf_model(folder)
@@ -27,8 +27,8 @@ def test_groups_follow_layer_types():
     full: four groups of one layer, one KV tensor); no window or one window everywhere: one
     group of every layer (tensor j is layer j)."""
     from ringserve.config import AttentionWindow, ModelConfig
-    from ringserve.engine.kv_cache import KVCache
-    from ringserve.engine.kv_groups import KVGroups
+    from ringserve.worker.kv_cache import KVCache
+    from ringserve.worker.kv_groups import KVGroups
 
     sliding, full = AttentionWindow(sliding=8), AttentionWindow()
 
@@ -55,9 +55,9 @@ def test_min_blocks_is_the_peak_of_computing_a_token_at_a_time():
     blocks held at once. Token 6 of 8 (lookback 3, blocks of 4) still sees block 0 though
     the last token does not: the peak is not at the last token."""
     from ringserve.engine.block_manager import BlockManager
-    from ringserve.engine.kv_groups import min_blocks
     from ringserve.engine.sequence import Sequence
     from ringserve.sampling_params import SamplingParams
+    from ringserve.worker.kv_groups import min_blocks
 
     def peak(lookbacks, num_tokens, block_size):
         manager = BlockManager(1000, block_size, False, group_lookbacks=lookbacks)
@@ -125,7 +125,7 @@ def test_hybrid_logits_and_greedy_tokens_equal_transformers(hybrid):
     within 1e-4 of transformers'; greedy tokens equal."""
     from ringserve import LLM, SamplingParams
     from ringserve.engine.logits_probe import engine_logits
-    from ringserve.tiny_models import hf_greedy
+    from ringserve.model.tiny_models import hf_greedy
 
     folder, ref = hybrid
     with LLM(folder, device="cpu", dtype="float32", block_size=BS) as llm:
@@ -160,7 +160,7 @@ def test_windowed_groups_stay_bounded_while_the_full_group_grows(hybrid):
     16 tokens a step: each windowed group holds at most WINDOW_BLOCKS of a sequence after
     every step, the full group all ceil(len / 4); greedy tokens equal transformers'."""
     from ringserve import LLM, SamplingParams
-    from ringserve.tiny_models import hf_greedy
+    from ringserve.model.tiny_models import hf_greedy
 
     folder, ref = hybrid
     prompts = [TOKENS[:30], TOKENS[40:52]]
@@ -187,7 +187,7 @@ def test_hybrid_chunked_prefill_and_prefix_hit_match_transformers(hybrid):
     reuse only their blocks from 16 on), only the rest computed; both continue as
     transformers does."""
     from ringserve import LLM, SamplingParams
-    from ringserve.tiny_models import hf_greedy
+    from ringserve.model.tiny_models import hf_greedy
 
     folder, ref = hybrid
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -208,7 +208,7 @@ def test_hybrid_preemption_under_memory_pressure_matches_transformers(hybrid):
     blocks each) and grow to 17 full blocks and ~4 per windowed group each: they cannot all
     fit, preempted ones are recomputed, and every greedy continuation equals transformers'."""
     from ringserve import LLM, SamplingParams
-    from ringserve.tiny_models import hf_greedy
+    from ringserve.model.tiny_models import hf_greedy
 
     folder, ref = hybrid
     prompts = [TOKENS[10:18], TOKENS[20:28], TOKENS[50:58]]
@@ -227,7 +227,7 @@ def test_hybrid_under_cp2_matches_transformers_with_bounded_windowed_groups(hybr
     transformers'."""
     from ringserve import LLM, SamplingParams
     from ringserve.engine.logits_probe import engine_logits
-    from ringserve.tiny_models import hf_greedy
+    from ringserve.model.tiny_models import hf_greedy
 
     folder, ref = hybrid
     prompts = [TOKENS[:30], TOKENS[40:52]]

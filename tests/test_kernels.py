@@ -1,4 +1,4 @@
-"""The Triton RMSNorm (with and without the residual add) and RoPE kernels (kernels.py)
+"""The Triton RMSNorm (with and without the residual add) and RoPE kernels (kernels/elementwise.py)
 against their torch references, run on the CPU by Triton's interpreter (TRITON_INTERPRET=1,
 set before the kernels are defined: hence a fresh process).
 
@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 SCRIPT = r"""
 import torch
-from ringserve import kernels as K
+from ringserve.kernels import elementwise as K
 
 torch.manual_seed(0)
 tokens, hidden, eps = 7, 96, 1e-6  # 96: not a power of two, masked columns
@@ -112,7 +112,7 @@ for chunk in (64, 128, 4096):
 # A decode step's rows, lengths and KV slots in one kernel (engine/step_state.py) against the
 # torch form: the inputs a slice of a wider buffer (as DecodeGraphs passes them), two KV
 # groups, positions either side of block boundaries (blocks of 16), a pad row.
-from ringserve.engine import step_state as St
+from ringserve.worker import step_state as St
 tables = torch.randint(0, 50, (2, 6, 9), dtype=torch.int32)
 buffer = torch.zeros(4, 24, dtype=torch.int64)
 buffer[1, :5] = torch.tensor([0, 15, 16, 63, 130])

@@ -10,7 +10,7 @@ import torch
 from ringserve import LLM, ModelLoadError
 from ringserve.engine.engine import LLMEngine
 from ringserve.engine.logits_probe import engine_logits
-from ringserve.tiny_models import hf_model, save_tiny_model
+from ringserve.model.tiny_models import hf_model, save_tiny_model
 
 
 def test_sharded_checkpoint_with_index(tmp_path):
@@ -128,8 +128,8 @@ def test_fused_rows_hold_each_ranks_slices(rank, tiny_model_dir):
     """From the in-memory mapping: qkv_proj is this rank's q heads, then its k and v heads
     (at tp=4 each of the 2 KV heads is on two ranks), gate_up_proj its gate then up rows."""
     from ringserve.config import ModelConfig, TPShard
-    from ringserve.parallel.tp import TensorParallelPlan
-    from ringserve.weights import load_model
+    from ringserve.model.tp_shard_plan import TensorParallelPlan
+    from ringserve.model.weights import load_model
 
     folder = tiny_model_dir("qwen3")  # q_norm/k_norm; head_dim 32 with 4 heads
     hf = hf_model(folder).state_dict()

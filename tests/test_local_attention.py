@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringserve.attention import VarlenBatch, attention_with_lse
+from ringserve.attention.dense import VarlenBatch, attention_with_lse
+from ringserve.attention.local import chunk_pieces
 from ringserve.config import AttentionWindow
-from ringserve.local_attention import chunk_pieces
-from ringserve.lse_merge import add_sinks
+from ringserve.kernels.lse_merge import add_sinks
 
 
 def dense_reference(q, k, v, q_pos, k_pos, scale, sliding=None, chunk=None, sinks=None):
@@ -199,8 +199,8 @@ def test_mistral_under_cp2_matches_transformers_and_skips_steps(algo, tiny_model
     decode token whose window lies in one block sees nothing on the other rank)."""
     from ringserve import LLM
     from ringserve.engine.logits_probe import engine_logits
+    from ringserve.model.tiny_models import hf_model
     from ringserve.parallel.cp import RingAttention
-    from ringserve.tiny_models import hf_model
 
     ran = {"pass_kv": 0, "pass_q": 0, "skipped": 0}
     for name in ran.keys() - {"skipped"}:
@@ -255,7 +255,7 @@ def test_windowed_sequence_holds_a_bounded_number_of_blocks(tiny_model_dir):
     blocks, counted after every step, while their greedy tokens still equal
     transformers'; they run at once, so released blocks are reused meanwhile."""
     from ringserve import LLM, SamplingParams
-    from ringserve.tiny_models import hf_greedy, hf_model
+    from ringserve.model.tiny_models import hf_greedy, hf_model
 
     folder = tiny_model_dir("mistral")
     prompts = [MISTRAL_TOKENS[:30], MISTRAL_TOKENS[30:40]]
@@ -273,7 +273,7 @@ def test_windowed_chunked_prefill_and_prefix_hit_match_transformers(tiny_model_d
     second request sharing a 24-token prefix (longer than the window): the hit reuses the
     cached blocks that are still held, and both continue as transformers does."""
     from ringserve import LLM, SamplingParams
-    from ringserve.tiny_models import hf_greedy, hf_model
+    from ringserve.model.tiny_models import hf_greedy, hf_model
 
     folder = tiny_model_dir("mistral")
     first, second = MISTRAL_TOKENS[:33], MISTRAL_TOKENS[:24] + MISTRAL_TOKENS[40:50]
@@ -318,7 +318,7 @@ def test_windowed_decode_under_cp_is_one_fused_call_over_each_windows_keys():
     under a window: still the one fused varlen call, each sequence's keys starting at its
     window (a suffix of them); a sequence whose window holds none of its keys here is left
     out, and a prefill chunk takes the block plan."""
-    from ringserve.attention_plan import plan_seen
+    from ringserve.attention.plan import plan_seen
 
     def t(*values):
         return torch.tensor(values, dtype=torch.int64)
@@ -335,7 +335,7 @@ def test_mistral_under_cp2_releases_blocks_and_generates_as_transformers(tiny_mo
     the blocks behind its window on both ranks (and the other takes them): the blocks held
     stay bounded and the greedy tokens equal transformers'."""
     from ringserve import LLM, SamplingParams
-    from ringserve.tiny_models import hf_greedy, hf_model
+    from ringserve.model.tiny_models import hf_greedy, hf_model
 
     folder = tiny_model_dir("mistral")
     prompts = [MISTRAL_TOKENS[:30], MISTRAL_TOKENS[30:41]]
@@ -380,7 +380,7 @@ def test_windowed_ring_plans_equal_the_masked_math(window):
     """Every (query rank, key rank) batch of a 4-rank windowed ring step, planned as the GPU
     runs it (shifted blocks, masked band tiles, unseen rows), against the count-masked math
     path; full and trimmed (what a pass-KV step receives) key sets."""
-    from ringserve.attention import _math_varlen, _planned
+    from ringserve.attention.dense import _math_varlen, _planned
 
     from helpers import ring_step
 

@@ -120,7 +120,7 @@ def run_bench(main, *extra):
 
 
 def test_bench_allreduce_refuses_to_save_a_contradicting_result(tmp_path, monkeypatch, capsys):
-    from ringserve.cli import main
+    from ringserve.cli.main import main
 
     monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))
     stored = tmp_path / "allreduce_thresholds.json"
@@ -174,7 +174,7 @@ def test_calibration_refuses_repeats_that_do_not_agree(flops, bandwidth, problem
 
 
 def test_cp_calibrate_refuses_to_save_a_contradicting_result(tmp_path, monkeypatch, capsys):
-    from ringserve.cli import main
+    from ringserve.cli.main import main
 
     monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(cp_calibrate, "measure_attention_flops", lambda device, repeats: [1e9, 3e9, 9e9])

@@ -1,4 +1,4 @@
-"""The Triton log-sum-exp merge kernel (lse_merge.py) against the torch merge, run on the
+"""The Triton log-sum-exp merge kernel (kernels/lse_merge.py) against the torch merge, run on the
 CPU by Triton's interpreter (TRITON_INTERPRET=1, set before the kernel is defined: hence a
 fresh process)."""
 
@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 SCRIPT = r"""
 import torch
-from ringserve import lse_merge
+from ringserve.kernels import lse_merge
 
 torch.manual_seed(0)
 tokens, heads, head_dim = 40, 3, 96  # head_dim not a power of two: masked columns

@@ -10,8 +10,8 @@ from ringserve import LLM, ModelLoadError
 from ringserve.config import AttentionWindow, ModelConfig
 from ringserve.engine.engine import LLMEngine
 from ringserve.engine.logits_probe import engine_logits
-from ringserve.model import RotaryEmbedding
-from ringserve.tiny_models import TINY, hf_model, save_random_model
+from ringserve.model.decoder import RotaryEmbedding
+from ringserve.model.tiny_models import TINY, hf_model, save_random_model
 
 from helpers import run_requests, scored
 

@@ -6,7 +6,7 @@ import torch
 from ringserve import LLM, SamplingParams
 from ringserve.engine.engine import LLMEngine
 from ringserve.engine.logits_probe import engine_logits
-from ringserve.tiny_models import ARCHITECTURES, hf_greedy, hf_model
+from ringserve.model.tiny_models import ARCHITECTURES, hf_greedy, hf_model
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -43,7 +43,7 @@ def test_cached_rope_tables_equal_computed_ones(arch, tiny_model_dir):
     # step); they must equal the per-step computation bit for bit (scaled RoPE, Gemma 3's
     # two RoPEs, Llama 4's query temperature).
     from ringserve.config import ModelConfig
-    from ringserve.model import RotaryEmbedding
+    from ringserve.model.decoder import RotaryEmbedding
 
     config = ModelConfig.from_pretrained(tiny_model_dir(arch))
     positions = torch.tensor([0, 1, 17, 250, 1023, 5])

@@ -11,7 +11,7 @@ import torch
 from ringserve import LLM, ModelLoadError, SamplingParams
 from ringserve.engine.engine import LLMEngine
 from ringserve.engine.logits_probe import engine_logits
-from ringserve.tiny_models import hf_greedy, hf_model
+from ringserve.model.tiny_models import hf_greedy, hf_model
 
 FAMILIES = ["llama4", "gpt_oss"]  # tiny configs: chunks of 16 tokens / windows of 8 (conftest)
 
@@ -97,7 +97,7 @@ def test_grouped_matmul_experts_equal_the_loop(layout):
     """The GPU path of the fused experts (two grouped matmuls, biases picked per row by its
     expert) against expert-by-expert matmuls, in bfloat16 on the CPU (which runs
     torch._grouped_mm too): an expert with no rows, gpt-oss biases and clamped SwiGLU."""
-    from ringserve.fused_moe import FusedExperts
+    from ringserve.model.fused_moe import FusedExperts
 
     gpt_oss = layout == "fused_interleaved"
     experts = FusedExperts(
@@ -121,7 +121,7 @@ def test_llama4_as_published_runs_its_text_model(tmp_path, caplog):
     import transformers as tf
 
     from ringserve.config import ModelConfig
-    from ringserve.tiny_models import make_hf_config
+    from ringserve.model.tiny_models import make_hf_config
 
     vision = dict(
         hidden_size=32,
@@ -145,10 +145,10 @@ def test_llama4_as_published_runs_its_text_model(tmp_path, caplog):
     tokens = _prompt(40)
     with torch.no_grad():
         ref = model.eval()(input_ids=torch.tensor([tokens])).logits[0]
-    with caplog.at_level("WARNING", logger="ringserve.weights"):
+    with caplog.at_level("WARNING", logger="ringserve.model.weights"):
         engine = LLMEngine(str(tmp_path), device="cpu", dtype="float32")
     # The vision tower is skipped by design, not warned about tensor by tensor.
-    assert not [r for r in caplog.records if r.name == "ringserve.weights"]
+    assert not [r for r in caplog.records if r.name == "ringserve.model.weights"]
     assert engine.model_config.architecture == "Llama4ForCausalLM"
     torch.testing.assert_close(engine_logits(engine, tokens, prefill=30), ref, rtol=1e-4, atol=1e-4)
     # The text config declares no dtype of its own: the whole model's applies.

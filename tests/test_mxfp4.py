@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 from ringserve import LLM, SamplingParams
 from ringserve.engine.engine import LLMEngine
 from ringserve.engine.logits_probe import engine_logits
-from ringserve.mxfp4 import FP4_VALUES, dequantize_mxfp4
-from ringserve.tiny_models import hf_greedy, hf_model
+from ringserve.model.mxfp4 import FP4_VALUES, dequantize_mxfp4
+from ringserve.model.tiny_models import hf_greedy, hf_model
 
 
 def quantize_mxfp4(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 
 import ringserve
 from ringserve import LLM
-from ringserve.cli import build_parser, main
+from ringserve.cli.main import build_parser, main
 from ringserve.config import EngineConfig, ParallelConfig
 from ringserve.engine import loading as loading_module
 from ringserve.engine.engine import LLMEngine

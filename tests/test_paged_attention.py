@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from ringserve import LLM, SamplingParams
-from ringserve import paged_attention as pa
-from ringserve.engine.graphs import DecodeGraphs, decode_buckets
+from ringserve.attention import paged as pa
 from ringserve.engine.scheduler import ScheduledBatch
 from ringserve.engine.sequence import Sequence
-from ringserve.engine.step_input import StepInput
+from ringserve.worker.graphs import DecodeGraphs, decode_buckets
+from ringserve.worker.step_input import StepInput
 
 KERNEL_SCRIPT = r"""
 import torch
-from ringserve import paged_attention as pa
-from ringserve.attention import VarlenBatch, _math_varlen
+from ringserve.attention import paged as pa
+from ringserve.attention.dense import VarlenBatch, _math_varlen
 from ringserve.config import AttentionWindow
 
 def case(q_lens, seq_lens, nh, nkv, d, splits, bs=4, seed=0, window=AttentionWindow(), one_block=False):
@@ -111,7 +111,7 @@ ENGINE_SCRIPT = r"""
 import sys
 sys.path.insert(0, "tests")
 import torch
-from ringserve.tiny_models import hf_model, save_tiny_model
+from ringserve.model.tiny_models import hf_model, save_tiny_model
 from ringserve.engine.logits_probe import engine_logits
 from ringserve.engine.engine import LLMEngine
 from ringserve.config import EngineConfig
@@ -212,7 +212,7 @@ def test_start_up_warm_up_runs_prefill_tiles_and_writes_only_the_scratch_block(l
     """The start-up step that builds the paged kernel's prefill tiles (a chunk after a cached
     prefix) reaches that kernel with prefill tiles, and changes no slot outside the
     scratch block."""
-    import ringserve.engine.forward_context as fc
+    import ringserve.worker.forward_context as fc
 
     engine = llama_engine
     runner = engine.executor.worker.runner

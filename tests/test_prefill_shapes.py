@@ -12,17 +12,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringserve import attention
-from ringserve.attention import bounded_lengths, bounded_shape_block, key_pieces, length_above
+from ringserve.attention import dense as attention
+from ringserve.attention.dense import bounded_lengths, bounded_shape_block, key_pieces, length_above
 from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.dp_scheduler import DataParallelScheduler
 from ringserve.engine.logits_probe import engine_logits
-from ringserve.engine.runner import ModelRunner
 from ringserve.engine.scheduler import Scheduler
 from ringserve.engine.sequence import Sequence
 from ringserve.llm import LLM
+from ringserve.model.tiny_models import hf_model
 from ringserve.sampling_params import SamplingParams
-from ringserve.tiny_models import hf_model
+from ringserve.worker.runner import ModelRunner
 
 NH, NKV, D = 4, 2, 16
 
@@ -154,7 +154,7 @@ def test_kv_store_kernels_do_not_specialise_on_the_slots_row(name):
     """slots [G, T] int64: group 1's row starts 16-byte aligned only for even T; the kernels
     that write the cache must key one variant on both (the step's token count varies)."""
     pytest.importorskip("triton")
-    from ringserve import kernels
+    from ringserve.kernels import elementwise as kernels
 
     kernel = getattr(kernels, name)
     binder = _binder(kernel)
@@ -180,8 +180,8 @@ def test_paged_kernel_compiles_one_variant_whatever_the_batch(arch, tiny_model_d
     kernel one specialisation per tile shape (its constexprs), or requests pay compiles.
     Each launch's specialisation is computed by Triton's own binder, here on the CPU; the
     attention itself comes from the reference path."""
-    import ringserve.engine.forward_context as fc
-    from ringserve import paged_attention as pa
+    import ringserve.worker.forward_context as fc
+    from ringserve.attention import paged as pa
 
     kernel = pa._paged_kernel
     binder = _binder(kernel)

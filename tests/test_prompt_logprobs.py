@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ringserve import LLM, RequestError, SamplingParams
-from ringserve.tiny_models import hf_model
+from ringserve.model.tiny_models import hf_model
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "

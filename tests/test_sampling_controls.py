@@ -10,7 +10,7 @@ import torch
 from ringserve import LLM, SamplingParams
 from ringserve.engine.sampler import SamplingTensors, filtered_logits
 from ringserve.engine.sequence import Sequence
-from ringserve.tiny_models import hf_greedy, hf_model
+from ringserve.model.tiny_models import hf_greedy, hf_model
 
 from helpers import prompts_of_lengths
 

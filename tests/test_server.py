@@ -371,7 +371,7 @@ def _sentencepiece_model(folder: str) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from ringserve.tiny_models import make_hf_config, save_random_model
+    from ringserve.model.tiny_models import make_hf_config, save_random_model
 
     words = [
         "\u2581Hello",
@@ -1020,7 +1020,7 @@ def test_several_served_model_names(tiny_model_dir, monkeypatch):
     """--served-model-name a b: /v1/models lists both, a request may name either (or none),
     responses and metrics carry the first, as vLLM's."""
     import ringserve.server
-    from ringserve.cli import main
+    from ringserve.cli.main import main
 
     seen = {}
     monkeypatch.setattr(
@@ -1290,13 +1290,13 @@ def test_worker_error_ends_the_server_with_exit_code_1():
 
 @pytest.mark.timeout(60)
 def test_a_taken_port_fails_at_once_before_the_engine_is_built(monkeypatch, capsys):
-    from ringserve.cli import main
-    from ringserve.options import EngineOptions
+    from ringserve.cli.main import main
+    from ringserve.engine.engine import LLMEngine
 
-    def create_engine(self, weights=None):
+    def from_options(options, weights=None):
         raise AssertionError("the engine was built before the port was bound")
 
-    monkeypatch.setattr(EngineOptions, "create_engine", create_engine)
+    monkeypatch.setattr(LLMEngine, "from_options", from_options)
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         start = time.monotonic()
@@ -1409,7 +1409,7 @@ def test_ctrl_c_while_the_engine_is_built_stops_at_once():
 
 
 def test_engine_logprobs_match_log_softmax(tiny_model_dir):
-    from ringserve.tiny_models import hf_model
+    from ringserve.model.tiny_models import hf_model
 
     folder = tiny_model_dir("llama")
     engine = LLMEngine(folder, device="cpu", dtype="float32", engine_config=EngineConfig(num_blocks=32))
@@ -1664,7 +1664,7 @@ def test_a_50_mb_prompt_is_refused_at_once_in_bounded_memory(tmp_path):
     [("--max-waiting", "0"), ("--port", "-1"), ("--port", "70000"), ("--shutdown-timeout", "-1")],
 )
 def test_serve_refuses_bad_server_flags(flag, value, capsys):
-    from ringserve.cli import main
+    from ringserve.cli.main import main
 
     assert main(["serve", flag, value]) == 2
     assert f"argument {flag}" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The skinny decode matmul (ringserve/skinny_matmul.py) against F.linear, run on the CPU by
+"""The skinny decode matmul (ringserve/kernels/skinny_matmul.py) against F.linear, run on the CPU by
 Triton's interpreter (TRITON_INTERPRET=1, set before the kernel is defined: hence a fresh
 process), in float32 (the interpreter's bfloat16 dot is not usable); and where it is chosen.
 """
@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
-from ringserve import skinny_matmul as S
+from ringserve.kernels import skinny_matmul as S
 
 SCRIPT = r"""
 import torch
 import torch.nn.functional as F
-from ringserve import skinny_matmul as S
+from ringserve.kernels import skinny_matmul as S
 
 torch.manual_seed(0)
 # rows 1 (batch 1), 5 (a partial tile), 16 (the tile); N not a multiple of BLOCK_N; x a view
@@ -43,7 +43,7 @@ for m, inter, k, plan in ((1, 100, 256, (32, 128, 3)), (7, 48, 128, (16, 64, 3))
 # q/k/v with RoPE and the KV store in the epilogue, against F.linear and rotary_store_kv's CPU
 # form: rows 1, 5 and 16 (x strided); tiles of 32 and 16 pairs (one, two and four programs a
 # head); a bias; the cache slots written and no other.
-from ringserve.kernels import rotary_store_kv
+from ringserve.kernels.elementwise import rotary_store_kv
 for m, nq, nkv, d, k, bias, plan in (
     (1, 4, 2, 64, 128, False, (64, 64, 3)), (5, 6, 2, 128, 256, True, (64, 64, 3)),
     (16, 2, 1, 64, 64, True, (32, 64, 3)), (2, 2, 1, 128, 64, False, (32, 64, 3)),

@@ -12,7 +12,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "ringserve"
 # What a rank process runs: it receives StepInputs and must not load driver code.
-RANK_SIDE = ["ringserve.engine.worker", "ringserve.engine.runner", "ringserve.model"]
+RANK_SIDE = ["ringserve.worker.worker", "ringserve.worker.runner", "ringserve.model.decoder"]
 DRIVER_ONLY = {"ringserve.engine.scheduler", "ringserve.engine.engine", "ringserve.engine.block_manager"}
 
 
@@ -96,3 +96,117 @@ def test_no_module_reaches_into_another_modules_private_names(modules):
                 if owner not in ("self", "cls"):
                     problems.append(f"{name}:{node.lineno}: {owner}.{node.attr}")
     assert not problems, "private names used across modules:\n" + "\n".join(problems)
+
+
+# The layers, bottom up (README's architecture section draws them). A module may import its
+# own layer and those beneath, never one above; a package's modules may import each other.
+LAYERS = [
+    (
+        "base",
+        [
+            "ringserve.errors",
+            "ringserve.cache_dir",
+            "ringserve.outputs",
+            "ringserve.sampling_params",
+            "ringserve.config",
+            "ringserve.measurements",
+            "ringserve.options",
+        ],
+    ),
+    ("kernels", ["ringserve.kernels"]),
+    ("attention", ["ringserve.attention"]),
+    ("parallel", ["ringserve.parallel"]),
+    ("model", ["ringserve.model"]),
+    ("worker", ["ringserve.worker"]),
+    ("engine", ["ringserve.engine"]),
+    ("api", ["ringserve.llm", "ringserve"]),
+    ("server", ["ringserve.server"]),
+    ("benchmarks", ["ringserve.benchmarks"]),
+    ("cli", ["ringserve.cli"]),
+]
+
+
+def _layer(module: str) -> int:
+    """The index in LAYERS of the longest prefix that names the module's layer."""
+    matches = [
+        (len(prefix), i)
+        for i, (_, prefixes) in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    return max(matches)[1]
+
+
+def _package_imports(modules) -> dict[str, set[str]]:
+    """module -> the package's modules it imports, leaving out its own parent packages
+    (`from ringserve.server import tools` inside ringserve.server.api names its package)."""
+    return {
+        name: {m for m in _imported(tree) if m in modules and m != name and not name.startswith(m + ".")}
+        for name, tree in modules.items()
+    }
+
+
+def upward_imports(modules) -> list[str]:
+    return [
+        f"{name} ({LAYERS[_layer(name)][0]}) imports {m} ({LAYERS[_layer(m)][0]})"
+        for name, imported in _package_imports(modules).items()
+        for m in sorted(imported)
+        if _layer(m) > _layer(name)
+    ]
+
+
+def import_cycles(modules) -> list[list[str]]:
+    """Every cycle a depth-first walk of the import graph meets (a back edge)."""
+    graph, state, cycles = _package_imports(modules), {}, []
+
+    def walk(name, path):
+        state[name] = "open"
+        path.append(name)
+        for m in sorted(graph[name]):
+            if state.get(m) == "open":
+                cycles.append([*path[path.index(m) :], m])
+            elif m not in state:
+                walk(m, path)
+        path.pop()
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            walk(name, [])
+    return cycles
+
+
+def test_no_module_imports_a_layer_above_its_own(modules):
+    assert not upward_imports(modules), "\n".join(upward_imports(modules))
+
+
+def test_the_package_has_no_import_cycle(modules):
+    assert not import_cycles(modules), "\n".join(" -> ".join(c) for c in import_cycles(modules))
+
+
+def test_the_checks_see_an_upward_import_and_a_cycle(modules):
+    """The two checks above, on the package with one import added: parallel importing the
+    model (upward), and attention.local importing attention.dense back (a cycle)."""
+    extra = ast.parse("from ringserve.model.decoder import Experts\nfrom ringserve.attention.dense import x")
+    broken = {**modules}
+    for name in ("ringserve.parallel.ep", "ringserve.attention.local"):
+        broken[name] = ast.Module(body=[*modules[name].body, *extra.body], type_ignores=[])
+    assert any(
+        "ringserve.parallel.ep (parallel) imports ringserve.model" in p for p in upward_imports(broken)
+    )
+    assert any(
+        c[0] == "ringserve.attention.dense" and "ringserve.attention.local" in c
+        for c in import_cycles(broken)
+    )
+
+
+@pytest.mark.parametrize("module", ["ringserve.options", "ringserve.config"])
+def test_configuration_imports_without_triton(module):
+    """Options and configuration are read by tools and the CLI's --help: no Triton (seconds
+    of import, and a GPU library on a machine that may have none)."""
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; print('triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -252,7 +252,7 @@ CONVERSATION = [
 
 
 def test_tools_and_calls_render_through_the_template(live):
-    from ringserve import chat
+    from ringserve.engine import chat_template as chat
     from ringserve.server import protocol as P
     from ringserve.server.tools import template_messages
 
@@ -454,8 +454,8 @@ def mistral_live(tmp_path_factory, builtin_dir):
 
     from ringserve.config import EngineConfig
     from ringserve.engine.engine import LLMEngine
+    from ringserve.model.tiny_models import TINY, save_random_model
     from ringserve.server import build_app
-    from ringserve.tiny_models import TINY, save_random_model
 
     from helpers import serve_in_thread
 

@@ -11,7 +11,7 @@ import torch
 from ringserve import LLM, SamplingParams
 from ringserve.engine.executor import WorkerError
 from ringserve.engine.logits_probe import engine_logits
-from ringserve.tiny_models import hf_greedy, hf_model
+from ringserve.model.tiny_models import hf_greedy, hf_model
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], list(range(10, 41)), [200, 1, 77]]
@@ -146,7 +146,7 @@ def test_torchrun_world_runs_the_cli(tmp_path):
 
 
 def test_cli_reports_indivisible_heads(capsys):
-    from ringserve.cli import main
+    from ringserve.cli.main import main
 
     assert main(["generate", "hi", "--tp", "2", "--device", "cpu"]) == 2
     assert "num_attention_heads=9" in capsys.readouterr().err
@@ -156,7 +156,7 @@ def test_tp_with_a_vocabulary_that_tp_does_not_divide(tmp_path):
     """Vocabulary 255 over 2 ranks: rank 1 holds 127 real rows and a padding row. The
     gathered logits are the 255 of the single-rank run (the padding row cut off, never
     sampled), and so are the greedy tokens."""
-    from ringserve.tiny_models import make_hf_config, save_random_model
+    from ringserve.model.tiny_models import make_hf_config, save_random_model
 
     config = make_hf_config("llama")
     config.vocab_size = 255

@@ -28,9 +28,9 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from ringserve.engine.kv_groups import min_blocks
 from ringserve.engine.sequence import Sequence
 from ringserve.parallel.cp_layout import CPLayout
+from ringserve.worker.kv_groups import min_blocks
 
 RELEASED = -1  # a block_table entry whose block no query of the sequence can see any more
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ringserve.engine.dp_step import DataParallelStep
 from ringserve.engine.scheduler import ScheduledBatch, Scheduler
 from ringserve.engine.sequence import Sequence
-from ringserve.engine.step_input import StepInput
+from ringserve.worker.dp_step import DataParallelStep
+from ringserve.worker.step_input import StepInput
 
 
 class DataParallelScheduler:

@@ -15,14 +15,13 @@ from collections.abc import Mapping
 
 import torch
 
-from ringserve import chat
 from ringserve.config import EngineConfig, ModelConfig, ParallelConfig, resolve_dtype
+from ringserve.engine import chat_template as chat
 from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.cp_policy import CPPolicy
 from ringserve.engine.detokenizer import IncrementalDetokenizer
 from ringserve.engine.dp_scheduler import DataParallelScheduler
 from ringserve.engine.executor import WorkerError, WorkerSpec, limit_host_threads
-from ringserve.engine.kv_groups import KVGroups
 from ringserve.engine.launched_step import LaunchedStep
 from ringserve.engine.loading import (
     check_parallel_layout,
@@ -39,13 +38,14 @@ from ringserve.engine.request_checks import check_params, check_prompt, check_te
 from ringserve.engine.sampler import sample_on_device
 from ringserve.engine.scheduler import ScheduledBatch, Scheduler
 from ringserve.engine.sequence import PENDING_TOKEN, Sequence
-from ringserve.engine.step_input import StepInput
 from ringserve.engine.structured_output import GrammarCompiler, GrammarMasks
 from ringserve.engine.text_bound import max_prompt_chars
 from ringserve.errors import RequestError, RequestTooLargeError
 from ringserve.options import EngineOptions, OptionError
 from ringserve.outputs import RequestOutput, TokensSoFar
 from ringserve.sampling_params import SamplingParams
+from ringserve.worker.kv_groups import KVGroups
+from ringserve.worker.step_input import StepInput
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,13 @@ class LLMEngine:
             if self.executor is not None:
                 self.executor.close()
             raise
+
+    @classmethod
+    def from_options(
+        cls, options: EngineOptions, weights: Mapping[str, torch.Tensor] | None = None
+    ) -> LLMEngine:
+        """The engine that options describe. weights: in-memory tensors by Hugging Face name."""
+        return cls(options=options, weights=weights)
 
     def _start(self, weights: Mapping[str, torch.Tensor] | None) -> None:
         """Load the model and start the ranks, the KV cache and the scheduler."""

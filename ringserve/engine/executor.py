@@ -26,12 +26,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ringserve.config import EngineConfig, ModelConfig, ParallelConfig
-from ringserve.engine.step_input import StepInput
-from ringserve.engine.worker import Worker
 from ringserve.errors import RingserveError
 from ringserve.parallel.comm import broadcast_object
 from ringserve.parallel.local_world import free_port
 from ringserve.parallel.mesh import ParallelGroups, init_groups
+from ringserve.worker.step_input import StepInput
+from ringserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from ringserve.engine.executor import (
     torchrun_env,
 )
 from ringserve.errors import ModelLoadError
-from ringserve.gguf_import import builtin_model_path, converted_folder
+from ringserve.model.gguf_import import builtin_model_path, converted_folder
 from ringserve.parallel.mesh import Mesh
 from ringserve.parallel.tp import validate_tp
 

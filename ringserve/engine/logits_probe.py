@@ -8,8 +8,8 @@ import torch
 
 from ringserve.engine.scheduler import ScheduledBatch
 from ringserve.engine.sequence import Sequence
-from ringserve.engine.step_input import StepInput
 from ringserve.sampling_params import SamplingParams
+from ringserve.worker.step_input import StepInput
 
 
 def engine_logits(engine, token_ids: list[int], prefill: int, chunks: list[int] = ()) -> torch.Tensor:

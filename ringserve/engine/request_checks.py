@@ -4,9 +4,9 @@ the LLM class for a whole batch at once, and the server, for its 400s)."""
 
 from __future__ import annotations
 
-from ringserve.engine.kv_groups import KVGroups
 from ringserve.errors import RequestError
 from ringserve.sampling_params import SamplingParams
+from ringserve.worker.kv_groups import KVGroups
 
 
 def check_prompt(

@@ -22,12 +22,12 @@ import logging
 import torch
 import torch.distributed as dist
 
+from ringserve.config.names import ALLREDUCE_BACKENDS
 from ringserve.measurements import load_measurement, save_measurement
 from ringserve.parallel.comm import all_gather_stacked
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "torch", "one_shot", "two_shot")
 # Published defaults (direct-access allreduce beats NCCL below ~256 KB at 8 ranks; the band
 # widens with fewer ranks); measured values replace them.
 DEFAULT_THRESHOLDS = {
@@ -65,8 +65,10 @@ class AllReduce:
     """x -> sum of x over `group`, by the configured algorithm."""
 
     def __init__(self, group, backend: str = "auto", device: torch.device | None = None, thresholds=None):
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown allreduce backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if backend not in ALLREDUCE_BACKENDS:
+            raise ValueError(
+                f"unknown allreduce backend {backend!r}; choose one of {', '.join(ALLREDUCE_BACKENDS)}"
+            )
         self.group = group
         self.world_size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)

@@ -32,16 +32,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ringserve.attention import VarlenBatch, attention_rows
+from ringserve.attention.dense import VarlenBatch, attention_rows
+from ringserve.attention.paged import PagedBatch, paged_attention
 from ringserve.config import FULL_ATTENTION, AttentionWindow
-from ringserve.lse_merge import merge_partials
+from ringserve.kernels.lse_merge import merge_partials
 from ringserve.measurements import load_measurement
-from ringserve.paged_attention import PagedBatch, paged_attention
 from ringserve.parallel.cp_layout import CPStep
 
 logger = logging.getLogger(__name__)
-
-CP_ALGOS = ("auto", "pass_kv", "pass_q")
 
 
 class RingStep:

@@ -20,17 +20,27 @@ boundary once per destination rank, over the peer link (flat: once per chosen ex
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 
-from ringserve.fused_moe import FusedExperts
-from ringserve.model import Experts
 from ringserve.parallel.comm import all_gather_stacked
 
 
-def _run_rows(
-    experts: Experts | FusedExperts, rows, expert_ids, weights, first_expert: int, all_local: bool = False
-):
+class ExpertWeights(Protocol):
+    """A rank's experts as the model holds them (model/decoder.py's Experts, or FusedExperts).
+    Named here, not imported, so that parallel sits beneath the model."""
+
+    @property
+    def num_local_experts(self) -> int: ...
+
+    def grouped_forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """x [M, H]: the rows of local expert e at ends[e-1]:ends[e] -> [M, H]."""
+        ...
+
+
+def _run_rows(experts: ExpertWeights, rows, expert_ids, weights, first_expert: int, all_local: bool = False):
     """rows [N, H]; expert_ids, weights [N, k] (-1: no expert) -> [N, H] = sum_j w_j * e_j(row).
 
     Each local expert runs once over all the rows that chose it (grouped, no per-token loop).
@@ -58,7 +68,7 @@ class LocalExperts:
     def __init__(self, all_reduce):
         self.all_reduce = all_reduce
 
-    def __call__(self, experts: Experts | FusedExperts, x, expert_ids, weights):
+    def __call__(self, experts: ExpertWeights, x, expert_ids, weights):
         return self.all_reduce(_run_rows(experts, x, expert_ids, weights, 0, all_local=True))
 
 
@@ -117,7 +127,7 @@ class ExpertParallel:
             raise ValueError("the two-shot all-to-all needs the EP group's intra-host and peer groups")
         self.cross_host_bytes = 0
 
-    def __call__(self, experts: Experts | FusedExperts, x, expert_ids, weights):
+    def __call__(self, experts: ExpertWeights, x, expert_ids, weights):
         if self.replicated_group is None:
             return self._dispatch_combine(experts, x, expert_ids, weights)
         n, r = dist.get_world_size(self.replicated_group), dist.get_rank(self.replicated_group)
@@ -127,7 +137,7 @@ class ExpertParallel:
         padded[: hi - lo] = self._dispatch_combine(experts, x[lo:hi], expert_ids[lo:hi], weights[lo:hi])
         return all_gather_stacked(padded, self.replicated_group).view(-1, x.shape[1])[: x.shape[0]]
 
-    def _dispatch_combine(self, experts: Experts | FusedExperts, x, expert_ids, weights):
+    def _dispatch_combine(self, experts: ExpertWeights, x, expert_ids, weights):
         dest = expert_ids // self.experts_per_rank  # [T, k] rank holding each choice
         if self.two_shot:
             rows, ids, w, token_of, back = self._two_shot(x, expert_ids, weights, dest)

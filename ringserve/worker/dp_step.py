@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ringserve.engine.step_input import StepInput
-from ringserve.model import Transformer
+from ringserve.model.decoder import Transformer
+from ringserve.worker.step_input import StepInput
 
 
 @dataclass

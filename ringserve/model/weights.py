@@ -21,8 +21,8 @@ from safetensors import safe_open
 
 from ringserve.config import ModelConfig, TPShard
 from ringserve.errors import ModelLoadError
-from ringserve.model import Experts, MergedLinear, Transformer
-from ringserve.mxfp4 import pair_quantized
+from ringserve.model.decoder import Experts, MergedLinear, Transformer
+from ringserve.model.mxfp4 import pair_quantized
 
 logger = logging.getLogger(__name__)
 

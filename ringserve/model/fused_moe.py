@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringserve.config import ModelConfig, TPShard
-from ringserve.kernels import grouped_mm_usable, silu_mul
+from ringserve.kernels.elementwise import grouped_mm_usable, silu_mul
 
 
 class FusedExperts(nn.Module):

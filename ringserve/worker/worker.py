@@ -9,20 +9,21 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from ringserve.attention import warm_up_cudnn
+from ringserve.attention.dense import warm_up_cudnn
 from ringserve.config import EngineConfig, ModelConfig, TPShard
-from ringserve.engine.dp_step import DataParallelStep, run_replica_step
-from ringserve.engine.graphs import MAX_GRAPH_BATCH, DecodeGraphs
-from ringserve.engine.kv_cache import KVCache
-from ringserve.engine.kv_groups import KVGroups
-from ringserve.engine.runner import ModelRunner
-from ringserve.engine.step_input import StepInput
+from ringserve.model.tp_shard_plan import TensorParallelPlan
+from ringserve.model.weights import load_model
 from ringserve.parallel.allreduce import AllReduce
 from ringserve.parallel.comm import wait_interruptibly
 from ringserve.parallel.ep import ExpertParallel, LocalExperts
 from ringserve.parallel.mesh import ParallelGroups
-from ringserve.parallel.tp import TensorParallelPlan, validate_tp
-from ringserve.weights import load_model
+from ringserve.parallel.tp import validate_tp
+from ringserve.worker.dp_step import DataParallelStep, run_replica_step
+from ringserve.worker.graphs import MAX_GRAPH_BATCH, DecodeGraphs
+from ringserve.worker.kv_cache import KVCache
+from ringserve.worker.kv_groups import KVGroups
+from ringserve.worker.runner import ModelRunner
+from ringserve.worker.step_input import StepInput
 
 logger = logging.getLogger(__name__)
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from ringserve.pdl import launch_options
+from ringserve.kernels.pdl import launch_options
 
 try:
     import triton
     import triton.language as tl
 
-    from ringserve.pdl import wait_for_previous
+    from ringserve.kernels.pdl import wait_for_previous
 except ImportError:  # CPU builds of torch come without Triton
     triton = None
 
@@ -29,7 +29,7 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = True) -> torch.Tensor:
     """RMSNorm over the last dim of x ([..., C]; any strides but the last). pdl: launched
-    with programmatic dependent launch where the GPU has it (ringserve.pdl), here and below."""
+    with programmatic dependent launch where the GPU has it (ringserve.kernels.pdl), here and below."""
     if _use_triton(x):
         return _rms_norm_triton(x, None, weight, eps, pdl)[0]
     return _rms_norm_torch(x, weight, eps)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ringserve.engine.kv_groups import KVGroups
+from ringserve.worker.kv_groups import KVGroups
 
 
 class KVCache:

@@ -11,7 +11,7 @@ The rule every PDL kernel keeps: before `wait_for_previous` it writes nothing an
 nothing that the kernel just before it may write. Kernels further back have finished by
 then (that kernel only let this one launch after its own wait), so the step's metadata and
 the KV cache of earlier steps may be read early: the paged kernel does
-(ringserve.paged_attention). The others call it first thing. (Reading the first weight
+(ringserve.attention.paged). The others call it first thing. (Reading the first weight
 tiles before it, into registers or L2, was measured slower: bench/bench_decode_chain.py,
 BENCHMARKS.md.)
 """

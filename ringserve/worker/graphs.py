@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from ringserve.engine.step_state import fill_pending_tokens
-from ringserve.paged_attention import fits_one_block
+from ringserve.attention.paged import fits_one_block
+from ringserve.worker.step_state import fill_pending_tokens
 
 logger = logging.getLogger(__name__)
 

@@ -23,15 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ringserve.attention import VarlenBatch, attention_with_lse
+from ringserve.attention.dense import VarlenBatch, attention_with_lse
 from ringserve.config import FULL_ATTENTION, AttentionWindow
-from ringserve.pdl import launch_options
+from ringserve.kernels.pdl import launch_options
 
 try:
     import triton
     import triton.language as tl
 
-    from ringserve.pdl import wait_for_previous
+    from ringserve.kernels.pdl import wait_for_previous
 except ImportError:  # CPU builds of torch come without Triton
     triton = None
 
@@ -103,7 +103,7 @@ def paged_attention(
     """(out [T, NH, D], lse [T, NH] float32) of every query over its sequence's cached keys
     that its window lets it see; blocks before the first one a sequence's first query sees
     are never read (a windowed layer may have freed them). pdl: the kernels launched with
-    programmatic dependent launch where the GPU has it (ringserve.pdl)."""
+    programmatic dependent launch where the GPU has it (ringserve.kernels.pdl)."""
     # Under Triton's CPU interpreter (tests) the kernel runs on the CPU too.
     if triton is not None and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return _paged_triton(
@@ -364,7 +364,7 @@ if triton is not None:
     ):
         # One program: QUERIES queries of one sequence x the GROUP query heads of one KV
         # head (rows query-major), over one split of the keys they may see.
-        # Until wait_for_previous (PDL, ringserve.pdl) it reads only what kernels before the
+        # Until wait_for_previous (PDL, ringserve.kernels.pdl) it reads only what kernels before the
         # previous one wrote: the step's metadata and block tables, and (ONE_BLOCK) the keys
         # cached before this step (the previous kernel writes this step's own). These
         # dependent loads then overlap the previous kernel instead of following it. Only a

@@ -21,20 +21,6 @@ from ringserve.config import AttentionWindow
 _TILE = 256  # queries per masked tile of a sliding window (keys: tile + W - 1 at most)
 
 
-def windowed_suffix_attention(q, k, v, batch, scale: float, window: AttentionWindow):
-    """(out [Tq, NH, D], lse [Tq, NH]) of a causal_suffix VarlenBatch with host bounds."""
-    from ringserve.attention import dense_per_sequence, flash_varlen_window
-
-    q_bounds, k_bounds, offsets = chunk_pieces(
-        batch.q_bounds, batch.k_bounds, batch.k_offsets or [0] * (len(batch.q_bounds) - 1), window.chunk
-    )
-    if window.sliding is None:  # chunks alone: plain causal attention per piece
-        return dense_per_sequence(q, k, v, q_bounds, k_bounds, scale)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        return flash_varlen_window(q, k, v, q_bounds, k_bounds, window.sliding, scale)
-    return _sliding_tiles(q, k, v, q_bounds, k_bounds, offsets, scale, window)
-
-
 def chunk_pieces(q_bounds, k_bounds, offsets, chunk: int | None):
     """Cut each sequence (queries q_bounds[i]:q_bounds[i+1], keys k_bounds[i]:k_bounds[i+1]
     at positions offsets[i]..) at chunk boundaries: the pieces' (q_bounds, k_bounds, offsets),
@@ -68,7 +54,8 @@ def chunk_pieces(q_bounds, k_bounds, offsets, chunk: int | None):
     return qb, kb, offs
 
 
-def _sliding_tiles(q, k, v, q_bounds, k_bounds, offsets, scale: float, window: AttentionWindow):
+def sliding_tiles(q, k, v, q_bounds, k_bounds, offsets, scale: float, window: AttentionWindow):
+    """The sliding-window rewrite above: each sequence's queries in tiles, each against its band."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     for i, first_key in enumerate(offsets):

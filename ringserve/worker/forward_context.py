@@ -1,4 +1,4 @@
-"""The ForwardContext of one step on one rank (model.py's protocol): where each layer's new
+"""The ForwardContext of one step on one rank (model/decoder.py's protocol): where each layer's new
 KV is written in the paged cache, and the attention over it (paged, dense, or the CP ring)."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ringserve.attention import VarlenBatch, attention_with_lse
+from ringserve.attention.dense import VarlenBatch, attention_with_lse
+from ringserve.attention.paged import PagedBatch, gather_plan, paged_attention
 from ringserve.config import FULL_ATTENTION, AttentionWindow
-from ringserve.engine.kv_cache import KVCache
-from ringserve.kernels import rotary_store_kv, store_kv
-from ringserve.lse_merge import add_sinks
-from ringserve.paged_attention import PagedBatch, gather_plan, paged_attention
+from ringserve.kernels.elementwise import rotary_store_kv, store_kv
+from ringserve.kernels.lse_merge import add_sinks
+from ringserve.kernels.skinny_matmul import qkv_rope_store
 from ringserve.parallel.cp import RingAttention
-from ringserve.skinny_matmul import qkv_rope_store
+from ringserve.worker.kv_cache import KVCache
 
 
 @dataclass

@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 
-from ringserve import cli
+from ringserve.cli import common as cli
 from ringserve.errors import RequestError, RingserveError
 from ringserve.options import add_cli_args
 

@@ -27,14 +27,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ringserve.kernels import gelu_tanh_mul, silu_mul
-from ringserve.pdl import launch_options
+from ringserve.kernels.elementwise import gelu_tanh_mul, silu_mul
+from ringserve.kernels.pdl import launch_options
 
 try:
     import triton
     import triton.language as tl
 
-    from ringserve.pdl import wait_for_previous
+    from ringserve.kernels.pdl import wait_for_previous
 except ImportError:  # CPU builds of torch come without Triton
     triton = None
 
@@ -42,7 +42,7 @@ MAX_ROWS = 16  # decode batches up to here; the dot's tile has 16 rows either wa
 _HALF = (torch.bfloat16, torch.float16)
 # act(gate) * up of a [M, 2I] gate/up output, by the config's hidden_act; and the kernel's
 # code for the same activation in its epilogue.
-GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
+GATED_ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}  # config.names.GATED_ACTIVATIONS
 _ACTIVATION_CODE = {"silu": 1, "gelu_pytorch_tanh": 2}
 
 
@@ -54,7 +54,7 @@ def linear(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias), x [M, K], weight [N, K]; the skinny kernel where it pays
-    (pdl: launched with programmatic dependent launch where the GPU has it, ringserve.pdl).
+    (pdl: launched with programmatic dependent launch where the GPU has it, ringserve.kernels.pdl).
     out: a contiguous [M, N] tensor (float32 for the LM head's logits) to write the result
     into, rounded to x's dtype first, as F.linear(...).to(out.dtype) would be."""
     plan = skinny_plan(x, weight)

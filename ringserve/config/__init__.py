@@ -1,4 +1,9 @@
-"""Configuration: the model (read from a Hugging Face config.json), the parallel layout, the engine."""
+"""Configuration: the model (read from a Hugging Face config.json and its families'
+fields), the parallel layout, the engine, and the names of the choices options offer.
+
+The base layer beside errors and options: imports torch (dtypes) but neither Triton nor
+torch.distributed, so options and tools read it cheaply.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ringserve.config_dense_families import DENSE_FAMILY_FIELDS
-from ringserve.config_moe_families import MOE_FAMILY_FIELDS, TEXT_MODEL_OF
+from ringserve.config.dense_families import DENSE_FAMILY_FIELDS
+from ringserve.config.moe_families import MOE_FAMILY_FIELDS, TEXT_MODEL_OF
+from ringserve.config.names import GATED_ACTIVATIONS
 from ringserve.errors import ModelLoadError
-from ringserve.skinny_matmul import GATED_ACTIVATIONS
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

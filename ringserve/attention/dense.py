@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ringserve.attention_plan import AttentionPlan, Block, plan_attention, plan_seen
+from ringserve.attention.local import chunk_pieces, masked_block, sliding_tiles
+from ringserve.attention.plan import AttentionPlan, Block, plan_attention, plan_seen
 from ringserve.config import FULL_ATTENTION, AttentionWindow
-from ringserve.local_attention import masked_block, windowed_suffix_attention
-from ringserve.lse_merge import merge_partials
+from ringserve.kernels.lse_merge import merge_partials
 
 
 @dataclass
@@ -426,6 +426,19 @@ def flash_varlen_window(q, k, v, q_bounds: list[int], k_bounds: list[int], slidi
         window_size_right=0,
     )
     return out, lse.transpose(0, 1)
+
+
+def windowed_suffix_attention(q, k, v, batch, scale: float, window: AttentionWindow):
+    """(out [Tq, NH, D], lse [Tq, NH]) of a causal_suffix VarlenBatch with host bounds, under
+    a sliding window or attention chunks: the pieces of local.py, each on a fast kernel."""
+    q_bounds, k_bounds, offsets = chunk_pieces(
+        batch.q_bounds, batch.k_bounds, batch.k_offsets or [0] * (len(batch.q_bounds) - 1), window.chunk
+    )
+    if window.sliding is None:  # chunks alone: plain causal attention per piece
+        return dense_per_sequence(q, k, v, q_bounds, k_bounds, scale)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return flash_varlen_window(q, k, v, q_bounds, k_bounds, window.sliding, scale)
+    return sliding_tiles(q, k, v, q_bounds, k_bounds, offsets, scale, window)
 
 
 def _math_varlen(q, k, v, batch: VarlenBatch, scale: float, window: AttentionWindow = FULL_ATTENTION):

@@ -5,16 +5,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringserve.attention import CUDNN_MIN_LEN, VarlenBatch
+from ringserve.attention.dense import CUDNN_MIN_LEN, VarlenBatch
+from ringserve.attention.paged import PagedBatch, decode_splits, fits_one_block, tile_queries
 from ringserve.config import FULL_ATTENTION
-from ringserve.engine.forward_context import PagedAttentionContext, RingAttentionContext
-from ringserve.engine.kv_cache import KVCache
-from ringserve.engine.step_input import StepInput
-from ringserve.engine.step_state import BlockTables, decode_step_tensors, fill_pending_tokens, token_slots
-from ringserve.model import Transformer
-from ringserve.paged_attention import PagedBatch, decode_splits, fits_one_block, tile_queries
+from ringserve.model.decoder import Transformer
 from ringserve.parallel.comm import all_gather_stacked
 from ringserve.parallel.cp import PagedKeys, RingAttention, RingStep
+from ringserve.worker.forward_context import PagedAttentionContext, RingAttentionContext
+from ringserve.worker.kv_cache import KVCache
+from ringserve.worker.step_input import StepInput
+from ringserve.worker.step_state import BlockTables, decode_step_tensors, fill_pending_tokens, token_slots
 
 # A step gathers the keys of long chunks (ModelRunner.gathers_long_chunks) only while one
 # layer's gathered copy of K and V stays within this: 1 GiB is 256K tokens of Llama-3-8B's

@@ -8,9 +8,9 @@ and `ctx.all_reduce` (the tensor-parallel sum, identity on one rank).
 
 For fewer, fuller kernels per layer, q/k/v and gate/up are each one matmul (`MergedLinear`,
 filled from the checkpoint's separate tensors), residual adds run fused into the following
-RMSNorm, and RoPE rotates q and k in one pass (`ringserve.kernels`: Triton on CUDA). At
+RMSNorm, and RoPE rotates q and k in one pass (`ringserve.kernels.elementwise`: Triton on CUDA). At
 decode batch sizes on a GPU the linears' matmuls are a skinny kernel of ours
-(`ringserve.skinny_matmul`), which reads the weights closer to the memory's bandwidth.
+(`ringserve.kernels.skinny_matmul`), which reads the weights closer to the memory's bandwidth.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringserve.config import ModelConfig, TPShard
-from ringserve.fused_moe import GptOssMoeBlock, Llama4MoeBlock
-from ringserve.kernels import (
+from ringserve.kernels.elementwise import (
     add_rms_norm,
     grouped_mm_usable,
     rms_norm,
     rotary_qk,
     unit_offset_rms_norm,
 )
-from ringserve.skinny_matmul import gated_linear, linear
+from ringserve.kernels.skinny_matmul import gated_linear, linear
+from ringserve.model.fused_moe import GptOssMoeBlock, Llama4MoeBlock
 
 
 class ForwardContext(Protocol):
@@ -294,7 +294,7 @@ class MLP(nn.Module):
         # [2 I, H]: this rank's gate rows, then its up rows.
         self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
-        self.hidden_act = hidden_act  # a key of GATED_ACTIVATIONS (config.py checks it)
+        self.hidden_act = hidden_act  # one of config.names.GATED_ACTIVATIONS (the config checks it)
 
     def forward(self, x, ctx: ForwardContext):
         # act(gate) * up [T, I] straight out of the gate/up matmul
@@ -388,7 +388,7 @@ class SparseMoeBlock(nn.Module):
 
 
 def moe_block(config: ModelConfig, shard: TPShard) -> nn.Module:
-    """The MoE block the config's router names (Llama 4 and gpt-oss: ringserve.fused_moe)."""
+    """The MoE block the config's router names (Llama 4 and gpt-oss: ringserve.model.fused_moe)."""
     if config.moe_router == "softmax":
         return SparseMoeBlock(config, shard)
     if config.moe_router == "sigmoid_scaled_input":

@@ -1,0 +1,9 @@
+"""The names of choices that options and configuration check, kept apart from the code
+that implements them, so that reading them imports neither Triton nor torch.distributed."""
+
+# config.json's hidden_act values the gated MLP implements (kernels/skinny_matmul.py)
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# --allreduce: torch's (NCCL, gloo), the direct-access one-shot / two-shot, or chosen by size
+ALLREDUCE_BACKENDS = ("auto", "torch", "one_shot", "two_shot")
+# --cp-algo: the context-parallel ring, or chosen per step from new against cached tokens
+CP_ALGOS = ("auto", "pass_kv", "pass_q")

@@ -60,7 +60,7 @@ class LLM:
     def _add(self, prompts: list, token_ids: list[list[int]], sampling_params) -> list[str]:
         """Queue one request per prompt; check them all first, so a bad one queues nothing."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or self.engine.default_params()] * len(prompts)
+            sampling_params = [sampling_params or self.engine.input_processor.default_params()] * len(prompts)
         elif not isinstance(sampling_params, (list, tuple)):
             raise RequestError(
                 f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
@@ -68,8 +68,8 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         for ids, params in zip(token_ids, sampling_params):
-            self.engine.check_prompt(ids)
-            self.engine.check_params(params)
+            self.engine.input_processor.check_prompt(ids)
+            self.engine.input_processor.check_params(params)
         return [
             self.engine.add_request(p, params, prompt_token_ids=ids)
             for p, ids, params in zip(prompts, token_ids, sampling_params)
@@ -82,7 +82,7 @@ class LLM:
             raise RequestError(
                 f"prompts must be a string, a list of token ids, or a list of either; got {type(prompts).__name__}"
             )
-        return list(prompts), [self.engine.tokenize(p, chat) for p in prompts]
+        return list(prompts), [self.engine.input_processor.tokenize(p, chat) for p in prompts]
 
     def generate_stream(
         self,
@@ -146,7 +146,7 @@ class LLM:
             check_conversation(conversation, f"conversation {i}: " if len(conversations) > 1 else "")
         texts, token_ids = [], []
         for conversation in conversations:
-            text, ids = self.engine.chat_prompt(
+            text, ids = self.engine.input_processor.chat_prompt(
                 conversation, chat_template, add_generation_prompt, continue_final_message, tools
             )
             texts.append(text)

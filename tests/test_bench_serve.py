@@ -108,9 +108,9 @@ def test_bench_chat_with_sharegpt_file(live, tmp_path):
     expected = sorted(
         len(
             tok.encode(
-                live.engine.apply_chat_template(
+                live.engine.input_processor.chat_prompt(
                     [{"role": "user", "content": c["conversations"][0]["value"]}]
-                ),
+                )[0],
                 add_special_tokens=False,
             )
         )

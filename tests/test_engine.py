@@ -168,7 +168,7 @@ def test_stop_token_ids_and_eos(llama):
         assert out.token_ids == greedy[: first + 1]
         assert out.finish_reason == "stop" and out.stop_reason == stop_at
         # The same token as EOS ends generation too, unless ignore_eos.
-        llm.engine.eos_token_ids = {stop_at}
+        llm.engine.output_processor.eos_token_ids = {stop_at}
         out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0]
         assert out.token_ids == greedy[: first + 1] and out.finish_reason == "stop"
         out = llm.generate([prompt], GREEDY)[0]

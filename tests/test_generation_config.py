@@ -37,12 +37,12 @@ def test_llm_defaults_come_from_generation_config(model):
     assert expected != hf_greedy(reference, prompt, 5, repetition_penalty=1.0)  # the penalty shows
     with LLM(model, device="cpu", dtype="float32") as llm:
         assert llm.generate([prompt])[0].token_ids == expected
-        assert llm.engine.default_params(max_tokens=50).max_tokens == 5  # capped, as vLLM
+        assert llm.engine.input_processor.default_params(max_tokens=50).max_tokens == 5  # capped, as vLLM
         mine = llm.generate([prompt], SamplingParams(max_tokens=9, temperature=0))[0]
         assert len(mine.token_ids) == 9  # an explicit SamplingParams is taken as it is
     with LLM(model, device="cpu", dtype="float32", generation_config="vllm") as llm:
-        assert llm.engine.sampling_defaults == {}
-        assert llm.engine.default_params() == SamplingParams()
+        assert llm.engine.input_processor.sampling_defaults == {}
+        assert llm.engine.input_processor.default_params() == SamplingParams()
 
 
 def test_server_requests_take_the_defaults_they_leave_unset(model):

@@ -117,7 +117,7 @@ def test_a_request_failing_inside_a_step_fails_alone(llm, expected):
     # One whose detokenizer fails midway fails alone too, with the tokens it had.
     stream = llm.generate_stream([PROMPT, PROMPT], GREEDY)
     first = next(stream)
-    detok = llm.engine.detokenizers[first.request_id]
+    detok = llm.engine.output_processor.detokenizers[first.request_id]
     detok.add_token = lambda seq, token: (_ for _ in ()).throw(RuntimeError("broken tokenizer"))
     finals = {o.request_id: o for o in [first, *stream] if o.finished}
     assert finals[first.request_id].finish_reason == "error"

@@ -67,24 +67,28 @@ def test_completion_and_usage(live):
     assert out.object == "text_completion" and out.model == NAME
     assert "Paris" in out.choices[0].text
     assert out.choices[0].finish_reason == "length"
-    prompt_len = len(live.engine.tokenize("The capital of France is"))
+    prompt_len = len(live.engine.input_processor.tokenize("The capital of France is"))
     assert out.usage.prompt_tokens == prompt_len
     assert out.usage.completion_tokens == 8 and out.usage.total_tokens == prompt_len + 8
 
 
 def test_completion_prompt_forms_and_n(live):
-    ids = live.engine.tokenize("The capital of France is")
+    ids = live.engine.input_processor.tokenize("The capital of France is")
     text = _alone(live, "The capital of France is", 6)
     for prompt in ("The capital of France is", ids):
         assert _alone(live, prompt, 6) == text
     out = live.client.completions.create(
-        model=NAME, prompt=[ids, live.engine.tokenize("One, two,")], max_tokens=6, temperature=0, n=2
+        model=NAME,
+        prompt=[ids, live.engine.input_processor.tokenize("One, two,")],
+        max_tokens=6,
+        temperature=0,
+        n=2,
     )
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert out.choices[0].text == out.choices[1].text == text
     assert out.choices[2].text == out.choices[3].text == _alone(live, "One, two,", 6)
     assert out.usage.completion_tokens == 24
-    assert out.usage.prompt_tokens == len(ids) + len(live.engine.tokenize("One, two,"))
+    assert out.usage.prompt_tokens == len(ids) + len(live.engine.input_processor.tokenize("One, two,"))
     # n=2 sampled with a seed: reproducible, and the two choices draw differently
     kw = dict(model=NAME, prompt="Once upon a time", max_tokens=10, temperature=1.0, n=2, seed=7)
     a, b = live.client.completions.create(**kw), live.client.completions.create(**kw)
@@ -108,7 +112,7 @@ def test_completion_stream_with_usage(live):
     assert text == _alone(live, prompt, 8)
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
-    assert chunks[-1].usage.prompt_tokens == len(live.engine.tokenize(prompt))
+    assert chunks[-1].usage.prompt_tokens == len(live.engine.input_processor.tokenize(prompt))
 
 
 def test_raw_sse_format(live):
@@ -127,7 +131,7 @@ def test_chat(live):
     choice = out.choices[0]
     assert out.object == "chat.completion" and choice.message.role == "assistant"
     assert "Paris" in choice.message.content and choice.finish_reason == "stop"
-    text = live.engine.apply_chat_template(messages)
+    text = live.engine.input_processor.chat_prompt(messages)[0]
     prompt_len = len(live.engine.tokenizer.encode(text, add_special_tokens=False))
     assert out.usage.prompt_tokens == prompt_len
 
@@ -160,7 +164,7 @@ def test_logprobs(live):
         assert max(top.values()) == pytest.approx(value)  # greedy: the likeliest token
         assert top[tok] == pytest.approx(value)
     # the first token's logprob is log_softmax of the prompt's last logits
-    ids = live.engine.tokenize("The capital of France is")
+    ids = live.engine.input_processor.tokenize("The capital of France is")
     ref = _reference_logprobs(live.engine, ids)[-1]
     first = ref.topk(3)
     assert lp.token_logprobs[0] == pytest.approx(first.values[0].item(), abs=1e-4)
@@ -216,7 +220,7 @@ def test_echo_with_logprobs_scores_the_prompt(live):
     """What eval harnesses send (lm-evaluation-harness local-completions): echo, logprobs=1,
     max_tokens 0 (or 1); the prompt's logprobs equal transformers' log_softmax."""
     prompt = "The capital of France is a city that"
-    ids = live.engine.tokenize(prompt)
+    ids = live.engine.input_processor.tokenize(prompt)
     ref = _reference_logprobs(live.engine, ids)[:-1]  # [len - 1, V]: position i scores ids[i + 1]
     want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
     best_values, best_ids = ref.max(-1)
@@ -257,7 +261,7 @@ def test_echo_with_logprobs_scores_the_prompt(live):
 
 def test_vllm_prompt_logprobs_field(live):
     prompt = "One, two, three, four"
-    ids = live.engine.tokenize(prompt)
+    ids = live.engine.input_processor.tokenize(prompt)
     ref = _reference_logprobs(live.engine, ids)[:-1]
     out = live.client.completions.create(
         model=NAME, prompt=prompt, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
@@ -321,10 +325,9 @@ def test_chosen_token_outside_top_n_is_listed(live):
     its raw log-probability, as vLLM lists it: completions after the N likeliest (N + 1
     entries), chat first of N."""
     prompt = "The capital of France is"
-    ids = live.engine.tokenize(prompt)
+    ids = live.engine.input_processor.tokenize(prompt)
     ref = _reference_logprobs(live.engine, ids)[-1]
     forced = int(ref.argsort()[len(ref) // 2])  # a token of middling likelihood
-    top1 = int(ref.argmax())
     pieces = live.app.state.server.pieces
     kw = dict(model=NAME, prompt=prompt, max_tokens=1, temperature=0, logit_bias={str(forced): 100})
     for n in (0, 2):
@@ -347,11 +350,12 @@ def test_chosen_token_outside_top_n_is_listed(live):
     )
     entry = chat.choices[0].logprobs.content[0]
     assert entry.token == pieces.text(forced) and entry.bytes == list(pieces.bytes(forced))
-    # chat lists N, the chosen token first, then the likeliest (vLLM's chat)
-    assert [t.token for t in entry.top_logprobs] == [
-        pieces.text(forced),
-        live.engine.tokenizer.decode([top1]),
-    ]
+    # chat lists N, the chosen token first, then the likeliest after the chat template
+    chat_ids = live.engine.input_processor.chat_prompt([{"role": "user", "content": prompt}])[1]
+    chat_ref = _reference_logprobs(live.engine, chat_ids)[-1]
+    top1 = next(i for i in chat_ref.argsort(descending=True).tolist() if i != forced)
+    assert [t.token for t in entry.top_logprobs] == [pieces.text(forced), pieces.text(top1)]
+    assert entry.top_logprobs[1].logprob == pytest.approx(chat_ref[top1].item(), abs=1e-4)
     assert entry.top_logprobs[0].logprob == entry.logprob < entry.top_logprobs[1].logprob
     no_top = live.client.chat.completions.create(
         model=NAME,
@@ -510,7 +514,7 @@ def test_echo_of_several_prompts_with_n_echoes_each_its_own(live):
     prompts = ["The capital of France is", "One, two,"]
     alone = [_alone(live, p, 3) for p in prompts]
     expected = [prompts[0] + alone[0]] * 2 + [prompts[1] + alone[1]] * 2
-    for form in (prompts, [live.engine.tokenize(p) for p in prompts]):
+    for form in (prompts, [live.engine.input_processor.tokenize(p) for p in prompts]):
         kw = dict(model=NAME, prompt=form, max_tokens=3, temperature=0, n=2, echo=True)
         out = live.client.completions.create(**kw)
         assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == expected
@@ -770,9 +774,9 @@ def test_every_unsupported_field_is_named_nested_ones_by_path(live):
 
 def test_a_message_name_reaches_the_chat_template(live, monkeypatch):
     seen = []
-    chat_prompt = live.engine.chat_prompt
+    chat_prompt = live.engine.input_processor.chat_prompt
     monkeypatch.setattr(
-        live.engine,
+        live.engine.input_processor,
         "chat_prompt",
         lambda messages, **kw: seen.append(messages) or chat_prompt(messages, **kw),
     )
@@ -941,7 +945,7 @@ def testscrape_metrics(live):
     live.client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=5, temperature=0)
     live.client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=5, temperature=0)
     after = scrape_metrics(live)
-    prompt_len = len(live.engine.tokenize("The capital of France is"))
+    prompt_len = len(live.engine.input_processor.tokenize("The capital of France is"))
     assert after["vllm:prompt_tokens_total"] - before.get("vllm:prompt_tokens_total", 0) == 2 * prompt_len
     assert after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0) == 10
     assert (
@@ -979,7 +983,7 @@ def test_vllm_v1_request_metrics(live):
         model=NAME, prompt=prompt, max_tokens=3, temperature=0, n=2, extra_body={"ignore_eos": True}
     )
     after, computed = scrape_metrics(live), live.engine.num_computed_tokens - computed
-    prompt_len = len(live.engine.tokenize(prompt))
+    prompt_len = len(live.engine.input_processor.tokenize(prompt))
     assert delta("vllm:request_prompt_tokens_count") == 3
     assert delta("vllm:request_prompt_tokens_sum") == 3 * prompt_len
     assert delta("vllm:request_generation_tokens_count") == 3

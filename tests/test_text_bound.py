@@ -45,16 +45,16 @@ def test_a_text_over_the_bound_is_refused_before_it_is_tokenized(builtin_dir, mo
 
     with LLM(builtin_dir, device="cpu", dtype="float32", max_model_len=64) as llm:
         engine = llm.engine
-        limit = engine.max_prompt_chars
+        limit = engine.input_processor.max_prompt_chars
         assert limit == max_prompt_chars(engine.tokenizer, 64)
         calls = []
         encode = engine.tokenizer.encode
         monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: calls.append(1) or encode(*a, **k))
         for text in ("x" * (limit + 1), " " * 10**7):
             with pytest.raises(RequestError, match="characters long"):
-                engine.tokenize(text)
+                engine.input_processor.tokenize(text)
             with pytest.raises(RequestError, match="characters long"):
-                engine.tokenize(text, chat=True)
+                engine.input_processor.tokenize(text, chat=True)
         assert not calls  # never tokenized
         with pytest.raises(RequestError, match="context"):  # within the bound: tokenized, then refused
             llm.generate(["hello " * 100])

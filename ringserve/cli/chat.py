@@ -48,8 +48,8 @@ def run_chat(args) -> int:
         return 2
     with llm:
         try:  # refuse a model without a chat template, or a bad flag, before the first turn
-            llm.engine.chat_prompt([{"role": "user", "content": "hi"}])
-            llm.engine.check_params(params)
+            llm.engine.input_processor.chat_prompt([{"role": "user", "content": "hi"}])
+            llm.engine.input_processor.check_params(params)
         except RequestError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -72,7 +72,7 @@ def _converse(llm, params, system: str | None) -> int:
             return 0
         history.append({"role": "user", "content": text})
         try:
-            _, token_ids = llm.engine.chat_prompt(history)
+            _, token_ids = llm.engine.input_processor.chat_prompt(history)
             answer = _answer(llm, token_ids, params)
         except RequestError as e:  # e.g. the history outgrew the context: this turn is dropped
             history.pop()

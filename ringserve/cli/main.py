@@ -238,7 +238,9 @@ def _generate(args) -> int:
         chat = (
             not args.no_chat
             and llm.tokenizer is not None
-            and bool(llm.engine.chat_template or getattr(llm.tokenizer, "chat_template", None))
+            and bool(
+                llm.engine.input_processor.chat_template or getattr(llm.tokenizer, "chat_template", None)
+            )
         )
         start = time.perf_counter()
         first_token = None

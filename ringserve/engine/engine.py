@@ -1,7 +1,10 @@
-"""The engine: requests in, one batched step at a time, outputs out.
+"""The engine core: requests in, one batched step at a time, outputs out.
 
-Owns the model, the KV cache, the scheduler and the tokenizer. Not thread-safe: one
-caller drives `step()` (the LLM class, or the server's engine loop).
+`step()` is schedule -> execute (launch on the ranks, sample on the device) -> update (read
+the tokens, end what ended, build the outputs), with async scheduling's one step in flight.
+Prompts become tokens and meet their checks in the input processor; tokens become text and
+RequestOutputs in the output processor. Not thread-safe: one caller drives `step()` (the
+LLM class, or the server's engine thread).
 """
 
 from __future__ import annotations
@@ -9,7 +12,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import numbers
 import time
 from collections.abc import Mapping
 
@@ -19,9 +21,9 @@ from ringserve.config import EngineConfig, ModelConfig, ParallelConfig, resolve_
 from ringserve.engine import chat_template as chat
 from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.cp_policy import CPPolicy
-from ringserve.engine.detokenizer import IncrementalDetokenizer
 from ringserve.engine.dp_scheduler import DataParallelScheduler
 from ringserve.engine.executor import WorkerError, WorkerSpec, limit_host_threads
+from ringserve.engine.input_processor import InputProcessor
 from ringserve.engine.launched_step import LaunchedStep
 from ringserve.engine.loading import (
     check_parallel_layout,
@@ -34,7 +36,7 @@ from ringserve.engine.loading import (
 )
 from ringserve.engine.logits_adjust import LogitsAdjuster, bad_words_token_ids
 from ringserve.engine.logprobs import DeviceLogprobs, token_logprobs
-from ringserve.engine.request_checks import check_params, check_prompt, check_text
+from ringserve.engine.output_processor import OutputProcessor
 from ringserve.engine.sampler import sample_on_device
 from ringserve.engine.scheduler import ScheduledBatch, Scheduler
 from ringserve.engine.sequence import PENDING_TOKEN, Sequence
@@ -42,7 +44,7 @@ from ringserve.engine.structured_output import GrammarCompiler, GrammarMasks
 from ringserve.engine.text_bound import max_prompt_chars
 from ringserve.errors import RequestError, RequestTooLargeError
 from ringserve.options import EngineOptions, OptionError
-from ringserve.outputs import RequestOutput, TokensSoFar
+from ringserve.outputs import RequestOutput
 from ringserve.sampling_params import SamplingParams
 from ringserve.worker.kv_groups import KVGroups
 from ringserve.worker.step_input import StepInput
@@ -138,15 +140,9 @@ class LLMEngine:
         self.executor = start_executor(spec, self.device, self.show_progress, weights)
         limit_host_threads(self.device.type)
         self.tokenizer = load_tokenizer(options.tokenizer or self.model_path)
-        self.chat_template = chat.read_template(options.chat_template)
         # the sampling seeds of unseeded requests, from --seed when given (reproducible runs)
         self.seed_rng = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
-        # a text longer than this cannot fit: refused before the tokenizer sees it
-        self.max_prompt_chars = (
-            max_prompt_chars(self.tokenizer, self.max_model_len) if self.tokenizer is not None else None
-        )
         self.eos_token_ids = eos_token_ids(self.model_path, config, self.tokenizer)
-        self.sampling_defaults = generation_defaults(options.generation_config, self.model_path)
         self.logits_adjuster = LogitsAdjuster(config.vocab_size, self.device, self.eos_token_ids)
         self.grammar_compiler = GrammarCompiler(self.tokenizer, config.vocab_size, self.eos_token_ids)
         self.grammar_masks = GrammarMasks(config.vocab_size, self.device)
@@ -173,7 +169,18 @@ class LLMEngine:
         self.block_manager = self.replicas[0].block_manager  # every replica's pool is this size
         self.scheduler = self.replicas[0] if parallel.dp == 1 else DataParallelScheduler(self.replicas)
         self.seqs: dict[str, Sequence] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.model_path,
+            chat.read_template(options.chat_template),
+            self.max_model_len,
+            max_prompt_chars(self.tokenizer, self.max_model_len) if self.tokenizer is not None else None,
+            config.vocab_size,
+            generation_defaults(options.generation_config, self.model_path),
+            self.grammar_compiler,
+            (self.block_manager.num_blocks, self.block_manager.block_size, self.kv_groups),
+        )
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._ids = itertools.count()
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits are not)
         self.cp_steps: collections.Counter[str] = collections.Counter()  # steps per ring that ran
@@ -199,69 +206,6 @@ class LLMEngine:
 
     # Requests -------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-        """A prompt's token ids: text through the tokenizer (chat: as one user message through
-        the chat template), token ids as plain ints (numpy integers too; floats are refused)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError(f"{self.model_path} has no tokenizer: pass token ids, not text")
-            check_text(prompt)
-            if chat:
-                return self.chat_prompt([{"role": "user", "content": prompt}])[1]
-            self.check_text_length(prompt)
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) and not hasattr(prompt, "tolist"):
-            raise RequestError(
-                f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}"
-            )
-        ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)  # numpy / torch too
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise RequestError(
-                    f"token ids must be integers; position {i} holds {t!r} ({type(t).__name__})"
-                )
-        return [int(t) for t in ids]
-
-    def chat_prompt(
-        self,
-        messages: list[dict],
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        tools: list[dict] | None = None,
-    ) -> tuple[str, list[int]]:
-        """One conversation through the chat template: (the prompt text, its token ids).
-
-        The one place messages become a prompt (LLM.chat, `ringserve chat`, the server).
-        tools: OpenAI function tools the template describes to the model."""
-        text = chat.render(
-            self.tokenizer,
-            messages,
-            self.model_path,
-            chat_template=chat_template or self.chat_template,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tools=tools,
-        )
-        check_text(text)
-        # the rendered text, not the messages: a template may leave parts of them out
-        self.check_text_length(text)
-        # The template writes the special tokens (BOS and the turn markers) itself.
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
-
-    def check_text_length(self, text: str) -> None:
-        """Refuse a text too long to fit in max_model_len tokens, whatever its tokens, without
-        tokenizing it (engine/text_bound.py says why the bound holds)."""
-        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
-            raise RequestError(
-                f"the prompt is {len(text)} characters long; no text over {self.max_prompt_chars} "
-                f"characters fits this model's context of {self.max_model_len} tokens (max_model_len) "
-                "with this tokenizer"
-            )
-
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return self.chat_prompt(messages)[0]
-
     def add_request(
         self,
         prompt: str | list[int],
@@ -274,10 +218,11 @@ class LLMEngine:
 
         prompt_token_ids: the prompt already tokenised (prompt then only labels the output).
         """
-        params = params or self.default_params()
-        token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt, chat)
-        self.check_prompt(token_ids)
-        self.check_params(params)
+        inputs = self.input_processor
+        params = params or inputs.default_params()
+        token_ids = prompt_token_ids if prompt_token_ids is not None else inputs.tokenize(prompt, chat)
+        inputs.check_prompt(token_ids)
+        inputs.check_params(params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -290,46 +235,13 @@ class LLMEngine:
             seq.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         seq.arrival_time = time.monotonic()
         self.seqs[request_id] = seq
-        if self.tokenizer is not None:
-            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, seq)
+        self.output_processor.add(seq)
         self.scheduler.add(seq)
         return request_id
 
-    def default_params(self, **given) -> SamplingParams:
-        """SamplingParams with the model's recommended defaults (generation_config.json) where
-        `given` leaves a field unset (None); max_tokens capped by the recommended one."""
-        values = {**self.sampling_defaults, **{k: v for k, v in given.items() if v is not None}}
-        if (
-            "max_tokens" in given
-            and given["max_tokens"] is not None
-            and "max_tokens" in self.sampling_defaults
-        ):
-            values["max_tokens"] = min(given["max_tokens"], self.sampling_defaults["max_tokens"])
-        return SamplingParams(**values)
-
-    def check_prompt(self, token_ids: list[int]) -> None:
-        """A prompt this engine can serve (request_checks.py); RequestError says why not."""
-        check_prompt(
-            token_ids,
-            max_model_len=self.max_model_len,
-            vocab_size=self.model_config.vocab_size,
-            num_blocks=self.block_manager.num_blocks,
-            block_size=self.block_manager.block_size,
-            kv_groups=self.kv_groups,
-        )
-
-    def check_params(self, params: SamplingParams) -> None:
-        """Sampling parameters this model can serve; RequestError names the field. A grammar
-        is compiled here (kept for add_request): call it off an event loop."""
-        check_params(params, max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size)
-        if params.structured_outputs is not None:
-            self.grammar_compiler.check(params.structured_outputs)
-        if params.bad_words and self.tokenizer is None:
-            raise RequestError(f"bad_words: {self.model_path} has no tokenizer to find the words' tokens")
-
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
-        self.detokenizers.pop(request_id, None)
+        self.output_processor.remove(request_id)
         if seq is not None and not seq.finished:
             self.scheduler.finish(seq)
             seq.finish_reason = "abort"
@@ -356,7 +268,7 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         except RequestTooLargeError as e:  # that request alone fails; the others go on
             self.seqs.pop(e.request_id, None)
-            self.detokenizers.pop(e.request_id, None)
+            self.output_processor.remove(e.request_id)
             self._undelivered = outputs
             raise
         if not batch:
@@ -452,7 +364,7 @@ class LLMEngine:
             if not seq.finished:
                 seq.output_token_ids.append(PENDING_TOKEN)
                 # Its length limit ends it when this token is read: no step computes past it.
-                seq.ends_when_read = self._at_length_limit(seq)
+                seq.ends_when_read = self.output_processor.at_length_limit(seq)
         outputs = [self._finish_without_token(seq) for seq in launched.no_token if not seq.finished]
         return outputs + [self._fail_request(seq, e) for seq, e in launched.failed if not seq.finished]
 
@@ -470,13 +382,10 @@ class LLMEngine:
                 seq.output_token_ids[-1] = token
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                detok = self.detokenizers.get(seq.request_id)
-                if detok is not None:
-                    detok.add_token(seq, token)
-                self._check_finished(seq, token)
+                self.output_processor.take_token(seq, token)
                 if seq.finish_reason is not None:
                     self.scheduler.finish(seq)
-                out = self._output(seq, [token])
+                out = self.output_processor.output(seq, [token])
                 if logprobs is not None and logprobs[i] is not None:
                     out.new_logprobs = [logprobs[i]]
             except Exception as e:  # whatever it was, it ends this request alone
@@ -484,7 +393,7 @@ class LLMEngine:
             outputs.append(out)
             if seq.finished:
                 self.seqs.pop(seq.request_id, None)
-                self.detokenizers.pop(seq.request_id, None)
+                self.output_processor.remove(seq.request_id)
         return outputs
 
     def _score_prompts(self, batch, step: StepInput, logits: torch.Tensor) -> None:
@@ -502,8 +411,8 @@ class LLMEngine:
         seq.finish_reason = "length"
         self.scheduler.finish(seq)
         self.seqs.pop(seq.request_id, None)
-        self.detokenizers.pop(seq.request_id, None)
-        return self._output(seq, [])
+        self.output_processor.remove(seq.request_id)
+        return self.output_processor.output(seq, [])
 
     def _fail_request(self, seq: Sequence, error: Exception) -> RequestOutput:
         """End a request whose own processing failed in a step (finish_reason "error"); its
@@ -512,11 +421,11 @@ class LLMEngine:
             logger.info("request %s was ended: %s", seq.request_id, error)
         else:
             logger.error("request %s failed in a step and was ended", seq.request_id, exc_info=error)
-        self.detokenizers.pop(seq.request_id, None)  # the output below must not decode again
+        self.output_processor.remove(seq.request_id)  # the output below must not decode again
         if not seq.finished:
             self.scheduler.finish(seq)
         seq.finish_reason, seq.stop_reason = "error", None
-        out = self._output(seq, [])
+        out = self.output_processor.output(seq, [])
         out.error = f"{type(error).__name__}: {error}"
         out.request_at_fault = isinstance(error, RequestError)
         self.seqs.pop(seq.request_id, None)
@@ -527,56 +436,6 @@ class LLMEngine:
         algo = self.cp_policy.choose(batch)
         self.cp_steps[algo] += 1
         return algo
-
-    def _check_finished(self, seq: Sequence, token: int) -> None:
-        params = seq.params
-        if seq.finish_reason is not None:  # a stop string, found by the detokenizer
-            return
-        if token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif not params.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif seq.grammar is not None and self._grammar_done(seq):
-            seq.finish_reason = "stop"
-        elif self._at_length_limit(seq):
-            seq.finish_reason = "length"
-
-    def _grammar_done(self, seq: Sequence) -> bool:
-        """Whether the output is complete in its grammar (nothing more may follow); a grammar
-        that failed ends its request alone, with the reason."""
-        seq.grammar.advance(seq.output_token_ids)
-        if seq.grammar.error is not None:
-            # e.g. a grammar that needs a byte no token of this vocabulary holds
-            raise RequestError(
-                "structured_outputs: the model's tokens cannot follow the grammar here: "
-                + seq.grammar.error.split("\n")[0]
-            )
-        return seq.grammar.done
-
-    def _at_length_limit(self, seq: Sequence) -> bool:
-        return len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
-
-    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
-        detok = self.detokenizers.get(seq.request_id)
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=seq.text,
-            token_ids=(
-                list(seq.output_token_ids)
-                if seq.finished
-                else TokensSoFar(seq.output_token_ids, len(seq.output_token_ids))
-            ),
-            finished=seq.finished,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            new_text=detok.new_text(seq) if detok is not None else "",
-            new_token_ids=new_tokens,
-            num_cached_tokens=seq.num_prefix_cached_tokens,
-            time_to_first_token=(seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
-            prompt_logprobs=seq.prompt_logprobs,
-        )
 
     # Statistics -----------------------------------------------------------------------
 

@@ -375,7 +375,7 @@ class Server:
             seed += index  # n > 1: each choice its own stream of random numbers, as vLLM
         try:
             # unset fields take the model's recommended defaults (generation_config.json), as vLLM
-            params = self.engine.default_params(
+            params = self.engine.input_processor.default_params(
                 max_tokens=max_tokens,
                 temperature=body.temperature,
                 top_p=body.top_p,
@@ -399,7 +399,7 @@ class Server:
                 bad_words=list(body.bad_words or []),
                 structured_outputs=structured_outputs,
             )
-            self.engine.check_params(params)  # against the model too (vocabulary, context)
+            self.engine.input_processor.check_params(params)  # against the model too (vocabulary, context)
         except RequestError as e:
             # the messages start with the field at fault ("stop_token_ids: token id ...")
             field = re.match(r"\w+", str(e))
@@ -423,7 +423,7 @@ class Server:
 
     def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
         try:
-            self.engine.check_prompt(token_ids)
+            self.engine.input_processor.check_prompt(token_ids)
         except RequestError as e:
             raise ApiError(400, str(e), param) from None
 
@@ -447,7 +447,9 @@ class Server:
         if not prompts:
             raise ApiError(400, "the prompt is empty", "prompt")
         try:
-            token_ids = await self.off_loop(lambda: [self.engine.tokenize(p) for p in prompts])
+            token_ids = await self.off_loop(
+                lambda: [self.engine.input_processor.tokenize(p) for p in prompts]
+            )
         except RequestError as e:
             raise ApiError(400, str(e), "prompt") from None
         for ids in token_ids:
@@ -621,7 +623,9 @@ class Server:
             raise ApiError(400, str(e), e.param) from None
 
         try:
-            _, token_ids = await self.off_loop(lambda: self.engine.chat_prompt(messages, tools=tools.tools))
+            _, token_ids = await self.off_loop(
+                lambda: self.engine.input_processor.chat_prompt(messages, tools=tools.tools)
+            )
         except RequestError as e:  # no template, or one that refuses these messages
             raise ApiError(400, str(e), "messages") from None
         except Exception as e:  # a template that cannot render these messages

@@ -348,6 +348,34 @@ def test_mistral_under_cp2_releases_blocks_and_generates_as_transformers(tiny_mo
         assert got == hf_greedy(ref, prompt, 24)
 
 
+def test_first_visible_block_against_brute_force():
+    """config.first_visible_block against the masks, key by key. With a window (exact): the
+    block of the first key its mask lets a query at p see. With a lookback L (a KV group's,
+    the CP layout's widest): the block of the first of keys p - L .. p, never after the
+    exact block of any window whose lookback is at most L, so a group keeps every block
+    each of its layers reads."""
+    from ringserve.config import first_visible_block
+
+    windows = [AttentionWindow(sliding=s, chunk=c) for s in (None, 1, 3, 8) for c in (None, 1, 4, 7)]
+    for block_size in (1, 2, 4, 5):
+        for p in range(40):
+            for w in windows:
+                seen = [
+                    k
+                    for k in range(p + 1)
+                    if (w.sliding is None or p - w.sliding < k)
+                    and (w.chunk is None or k // w.chunk == p // w.chunk)
+                ]
+                assert first_visible_block(p, block_size, w) == seen[0] // block_size, (p, block_size, w)
+            for lookback in (None, 0, 2, 7, 15):
+                keys = range(p + 1) if lookback is None else range(max(0, p - lookback), p + 1)
+                first = first_visible_block(p, block_size, lookback)
+                assert first == keys[0] // block_size, (p, block_size, lookback)
+                for w in windows:
+                    if lookback is None or (w.lookback() is not None and w.lookback() <= lookback):
+                        assert first <= first_visible_block(p, block_size, w), (p, block_size, lookback, w)
+
+
 def test_windows_come_from_the_transformers_config():
     """layer_types where the config has it (Gemma 3, gpt-oss, Llama 4 text), sliding_window
     on every layer otherwise (Mistral; null: full); an unknown layer type is refused by name."""

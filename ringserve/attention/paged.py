@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ringserve.attention.dense import VarlenBatch, attention_with_lse
-from ringserve.config import FULL_ATTENTION, AttentionWindow
+from ringserve.config import FULL_ATTENTION, AttentionWindow, first_visible_block
 from ringserve.kernels.pdl import launch_options
 
 try:
@@ -133,7 +133,7 @@ def gather_plan(block_tables, batch: PagedBatch, block_size: int, window: Attent
     slots, cu_k, firsts = [], [0], []
     offsets = torch.arange(block_size, device=block_tables.device)
     for row, n, a, b in zip(rows, lens, cu_q[:-1], cu_q[1:]):
-        first_block = window.first_visible(n - (b - a)) // block_size if n > b - a else 0
+        first_block = first_visible_block(n - (b - a), block_size, window)
         first = first_block * block_size
         pages = block_tables[row, first_block : -(-n // block_size)].long()
         slots.append((pages[:, None] * block_size + offsets).flatten()[: n - first])
@@ -393,6 +393,8 @@ if triton is not None:
         # Keys up to the tile's last query, from the first block its first query sees (a
         # window's earlier blocks are never visited), cut into NUM_SPLITS runs of whole BLOCK_Ns.
         kv_end = cached + tl.minimum(q0 + QUERIES, q_len)
+        # The window's first visible position, exact per layer, on the device: the same rule
+        # as the host's one definition, AttentionWindow.first_visible / config.first_visible_block.
         first_pos = tl.zeros_like(q_pos)
         kv_start = seq_len * 0
         if HAS_SLIDING:

@@ -28,6 +28,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+from ringserve.config import first_visible_block
 from ringserve.engine.sequence import Sequence
 from ringserve.parallel.cp_layout import CPLayout
 from ringserve.worker.kv_groups import min_blocks
@@ -97,11 +98,9 @@ class BlockManager:
         return hashes[:num_blocks]
 
     def _first_held(self, group: int, num_tokens: int) -> int:
-        """The first block group `group` still needs once num_tokens tokens are computed."""
-        lookback = self.group_lookbacks[group]
-        if lookback is None:
-            return 0
-        return max(0, num_tokens - lookback) // self.block_size
+        """The first block group `group` still needs once num_tokens tokens are computed
+        (its next token at position num_tokens), by the group's lookback."""
+        return first_visible_block(num_tokens, self.block_size, self.group_lookbacks[group])
 
     def match_prefix(self, seq: Sequence) -> None:
         """Give a sequence with no blocks the cached blocks of its longest cached prefix

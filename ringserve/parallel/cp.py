@@ -135,6 +135,8 @@ class RingStep:
                 held = (blocks[:, None] * bs + torch.arange(bs)).flatten()
                 held = held[held < end]  # [K] positions held on k_rank from the first recent block
                 before = int(self.keys[k_rank, s]) - len(held)
+                # Exact per layer; the recent blocks start at the layout's lookback bound, never
+                # after it (config.first_visible_block), so `held` covers every firsts.
                 firsts = window.first_visible(self.positions[t0:t1])
                 skipped[t0:t1] = before + torch.searchsorted(held, firsts)
                 self.host_elements += len(held) + 2 * (t1 - t0)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ringserve.config import first_visible_block
+
 
 def place_blocks(offset: int, first_block: int, num_new: int, num_ranks: int) -> list[int]:
     """The rank of each of a step's new logical blocks first_block .. first_block + num_new - 1.
@@ -162,7 +164,7 @@ class CPLayout:
                 cached[r][i] = share.keys[r]
             self._advance(share, seq.block_tables, start + count, (i, runs))
             if self.lookback is not None:
-                first = max(0, start - self.lookback) // bs
+                first = first_visible_block(start, bs, self.lookback)
                 recent.append((first, [self.rank_of(b) for b in table[first:]]))
         num_groups = len(seqs[0].block_tables) if seqs else 1
         return CPStep(updates, cached, runs, recent, bs, num_groups)

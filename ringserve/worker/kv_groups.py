@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ringserve.config import ModelConfig
+from ringserve.config import ModelConfig, first_visible_block
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,6 @@ def min_blocks(lookbacks: tuple[int | None, ...], num_tokens: int, block_size: i
     first_of_last = (blocks - 1) * block_size  # the position of the last block's first token
     total = 0
     for lookback in lookbacks:
-        first = 0 if lookback is None else max(0, first_of_last - lookback) // block_size
+        first = first_visible_block(first_of_last, block_size, lookback)
         total += blocks - first
     return total

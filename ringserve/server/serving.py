@@ -139,7 +139,7 @@ class OpenAIServing:
 
     def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
         try:
-            self.engine.check_prompt(token_ids)
+            self.engine.input_processor.check_prompt(token_ids)
         except RequestError as e:
             raise ApiError(400, str(e), param) from None
 
@@ -147,7 +147,9 @@ class OpenAIServing:
         """Each prompt's token ids (a text tokenized off the event loop, ids as given), checked
         against the model."""
         try:
-            token_ids = await self.off_loop(lambda: [self.engine.tokenize(p) for p in prompts])
+            token_ids = await self.off_loop(
+                lambda: [self.engine.input_processor.tokenize(p) for p in prompts]
+            )
         except RequestError as e:
             raise ApiError(400, str(e), "prompt") from None
         for ids in token_ids:
@@ -235,7 +237,7 @@ class OpenAIServing:
             seed += index  # n > 1: each choice its own stream of random numbers, as vLLM
         try:
             # unset fields take the model's recommended defaults (generation_config.json), as vLLM
-            params = self.engine.default_params(
+            params = self.engine.input_processor.default_params(
                 max_tokens=max_tokens,
                 temperature=body.temperature,
                 top_p=body.top_p,
@@ -259,7 +261,7 @@ class OpenAIServing:
                 bad_words=list(body.bad_words or []),
                 structured_outputs=structured_outputs,
             )
-            self.engine.check_params(params)  # against the model too (vocabulary, context)
+            self.engine.input_processor.check_params(params)  # against the model too (vocabulary, context)
         except RequestError as e:
             # the messages start with the field at fault ("stop_token_ids: token id ...")
             field = re.match(r"\w+", str(e))

@@ -63,7 +63,9 @@ class ServingChat(OpenAIServing):
             raise ApiError(400, str(e), e.param) from None
 
         try:
-            _, token_ids = await self.off_loop(lambda: self.engine.chat_prompt(messages, tools=tools.tools))
+            _, token_ids = await self.off_loop(
+                lambda: self.engine.input_processor.chat_prompt(messages, tools=tools.tools)
+            )
         except RequestError as e:  # no template, or one that refuses these messages
             raise ApiError(400, str(e), "messages") from None
         except Exception as e:  # a template that cannot render these messages

@@ -9,15 +9,12 @@ import tempfile
 
 import torch
 
-from ringserve import (
-    LLM,
-    SamplingParams,
-    lse_merge,
-)
+from ringserve import LLM, SamplingParams
 from ringserve.attention.dense import VarlenBatch, _math_varlen, attention_with_lse
 from ringserve.config import AttentionWindow
 from ringserve.engine.engine import LLMEngine
 from ringserve.engine.logits_probe import engine_logits
+from ringserve.kernels import lse_merge
 from ringserve.model.tiny_models import (
     ARCHITECTURES,
     hf_greedy,

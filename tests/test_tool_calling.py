@@ -277,6 +277,15 @@ def _validate(name: str, arguments: str) -> None:
     jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
+def chat_calls(client, streamed: bool, **kwargs):
+    """(content, [(id, name, arguments)], finish_reason) of one chat completion, streamed or not."""
+    if streamed:
+        return collect_stream(client.chat.completions.create(stream=True, **kwargs))
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    return choice.message.content, calls, choice.finish_reason
+
+
 def collect_stream(chunks):
     """(content, calls [(id, name, arguments)], finish_reason) of a streamed chat choice 0."""
     content, calls, finish = "", [], None
@@ -419,14 +428,7 @@ def test_auto_reads_the_calls_with_the_servers_parser(hermes_live, streamed):
         model=NAME, messages=ASK, max_tokens=60, temperature=0, tools=[GET_WEATHER, GET_TIME],
         extra_body={"structured_outputs": {"regex": HERMES_OUTPUT}},
     )  # fmt: skip
-    if streamed:
-        content, calls, finish = collect_stream(
-            hermes_live.client.chat.completions.create(stream=True, **kwargs)
-        )
-    else:
-        choice = hermes_live.client.chat.completions.create(**kwargs).choices[0]
-        content, finish = choice.message.content, choice.finish_reason
-        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    content, calls, finish = chat_calls(hermes_live.client, streamed, **kwargs)
     assert content == "Checking."
     assert [(name, json.loads(args)) for _, name, args in calls] == [("get_weather", json.loads(WEATHER))]
     assert finish == "tool_calls"
@@ -490,14 +492,7 @@ def test_the_parsers_markers_reach_it_though_the_request_skips_special_tokens(mi
         model=NAME, messages=ASK, max_tokens=60, temperature=0, tools=[GET_WEATHER],
         extra_body={"structured_outputs": {"grammar": _mistral_v11_grammar(mistral_live.markers)}},
     )  # fmt: skip
-    if streamed:
-        content, calls, finish = collect_stream(
-            mistral_live.client.chat.completions.create(stream=True, **kwargs)
-        )
-    else:
-        choice = mistral_live.client.chat.completions.create(**kwargs).choices[0]
-        content, finish = choice.message.content, choice.finish_reason
-        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    content, calls, finish = chat_calls(mistral_live.client, streamed, **kwargs)
     assert content == "Checking."
     assert [(name, args) for _, name, args in calls] == [("get_weather", WEATHER)]
     assert all(len(call_id) == 9 and call_id.isalnum() for call_id, _, _ in calls)

@@ -37,7 +37,7 @@ from ringserve.config import AttentionWindow, EngineConfig  # noqa: E402
 from ringserve.engine.block_manager import BlockManager  # noqa: E402
 from ringserve.engine.engine import LLMEngine  # noqa: E402
 from ringserve.engine.sequence import Sequence  # noqa: E402
-from ringserve.parallel.cp import RingStep  # noqa: E402
+from ringserve.parallel.cp.plan import RingStep  # noqa: E402
 from ringserve.sampling_params import SamplingParams  # noqa: E402
 
 NVLINK_BYTES_PER_S = 450e9  # H200 NVLink, one direction (as bench_ring.py)

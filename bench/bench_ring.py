@@ -26,7 +26,7 @@ from ringserve.attention.dense import attention_rows, dense_block  # noqa: E402
 from ringserve.engine.block_manager import BlockManager  # noqa: E402
 from ringserve.engine.sequence import Sequence  # noqa: E402
 from ringserve.kernels.lse_merge import merge_partials  # noqa: E402
-from ringserve.parallel.cp import RingStep  # noqa: E402
+from ringserve.parallel.cp.plan import RingStep  # noqa: E402
 from ringserve.sampling_params import SamplingParams  # noqa: E402
 
 NH, NKV, D, LAYERS = 32, 8, 128, 32

@@ -11,7 +11,7 @@ import torch
 
 from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.sequence import Sequence
-from ringserve.parallel.cp import RingStep
+from ringserve.parallel.cp.plan import RingStep
 from ringserve.parallel.local_world import free_port
 from ringserve.sampling_params import SamplingParams
 

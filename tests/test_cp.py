@@ -12,8 +12,9 @@ from ringserve import LLM, SamplingParams
 from ringserve.attention.dense import VarlenBatch, attention_with_lse
 from ringserve.config import FULL_ATTENTION, AttentionWindow
 from ringserve.engine.logits_probe import engine_logits
-from ringserve.parallel.cp import CPCalibration, PagedKeys, RingAttention, choose_cp_algo
-from ringserve.parallel.cp_layout import place_blocks
+from ringserve.parallel.cp.layout import place_blocks
+from ringserve.parallel.cp.policy import CPCalibration, choose_cp_algo
+from ringserve.parallel.cp.ring import PagedKeys, RingAttention
 from ringserve.parallel.local_world import run_local_world
 
 from helpers import prompts_of_lengths, ring_inputs, ring_step

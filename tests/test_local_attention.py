@@ -113,7 +113,7 @@ def _windowed_ring_rank(rank, world_size, algo, window):
     the dense masked softmax; with the ring's counts of skipped steps and transfers."""
     import torch.distributed as dist
 
-    from ringserve.parallel.cp import RingAttention
+    from ringserve.parallel.cp.ring import RingAttention
 
     from helpers import ring_inputs, ring_step
 
@@ -169,7 +169,7 @@ def test_auto_counts_only_the_keys_windows_see():
     (the paper's figures, tests/test_cp.py: pass-KV from 8.4% new tokens at this T) but
     pass-KV when every layer has a window of 4096, and still pass-Q when one layer in six
     is full (5% visible new tokens)."""
-    from ringserve.parallel.cp import CPCalibration, choose_cp_algo, visible_cached_tokens
+    from ringserve.parallel.cp.policy import CPCalibration, choose_cp_algo, visible_cached_tokens
 
     paper = CPCalibration(attention_flops=800e12, link_bytes_per_s=50e9)
     context = 128 * 1024
@@ -200,7 +200,7 @@ def test_mistral_under_cp2_matches_transformers_and_skips_steps(algo, tiny_model
     from ringserve import LLM
     from ringserve.engine.logits_probe import engine_logits
     from ringserve.model.tiny_models import hf_model
-    from ringserve.parallel.cp import RingAttention
+    from ringserve.parallel.cp.ring import RingAttention
 
     ran = {"pass_kv": 0, "pass_q": 0, "skipped": 0}
     for name in ran.keys() - {"skipped"}:

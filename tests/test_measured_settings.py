@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from ringserve.parallel import allreduce_bench, cp_calibrate
+from ringserve.parallel import allreduce_bench
 from ringserve.parallel.allreduce import load_thresholds
 from ringserve.parallel.allreduce_bench import (
     ALGORITHMS,
@@ -17,7 +17,8 @@ from ringserve.parallel.allreduce_bench import (
     median_latency,
     thresholds_from,
 )
-from ringserve.parallel.cp import CPCalibration
+from ringserve.parallel.cp import calibrate as cp_calibrate
+from ringserve.parallel.cp.policy import CPCalibration
 
 KIB, MIB = 1 << 10, 1 << 20
 SIZES = allreduce_bench.DEFAULT_SIZES[:6]  # 4 KiB .. 4 MiB, as `ringserve bench allreduce` on CPU

@@ -11,7 +11,7 @@ import torch
 from ringserve import LLM, SamplingParams
 from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.sequence import Sequence
-from ringserve.parallel.cp import RingAttention
+from ringserve.parallel.cp.ring import RingAttention
 
 import helpers
 from helpers import VOCAB, run_requests, scored

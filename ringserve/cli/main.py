@@ -342,7 +342,7 @@ def _measure(args) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         if args.bench == "cp-calibrate":
-            from ringserve.parallel import cp_calibrate
+            from ringserve.parallel.cp import calibrate as cp_calibrate
 
             cp_calibrate.run(device, save=not args.no_save, repeats=args.repeats)
         else:

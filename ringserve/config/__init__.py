@@ -100,7 +100,7 @@ def first_visible_block(position: int, block_size: int, reach: AttentionWindow |
       What keeps blocks for several layers at once, which know one number for all of
       them: a KV group (worker/kv_groups.py min_blocks, engine/block_manager.py), whose
       layers share a lookback (AttentionWindow.lookback: W - 1, C - 1; a sliding W and
-      a chunk W share a group), and the CP layout's recent blocks (parallel/cp_layout.py),
+      a chunk W share a group), and the CP layout's recent blocks (parallel/cp/layout.py),
       from the widest lookback of any windowed layer (ModelConfig.local_lookback).
 
     The lookback one is a bound of the exact one: position - lookback <=

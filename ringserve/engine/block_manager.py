@@ -7,7 +7,7 @@ to read or poison another user's cached KV (vLLM's CVE-2025-25183). Blocks nobod
 cached until memory runs short, then the least recently freed is reused first.
 
 Under context parallelism each of the N ranks has its own pool of blocks; where a block,
-and so each token, lives is the layout's to say (parallel/cp_layout.py): it places new
+and so each token, lives is the layout's to say (parallel/cp/layout.py): it places new
 blocks, and tells the ranks what each step changes.
 
 Blocks are accounted per KV group (kv_groups.py: layers with the same lookback): each
@@ -30,7 +30,7 @@ from collections import OrderedDict
 
 from ringserve.config import first_visible_block
 from ringserve.engine.sequence import Sequence
-from ringserve.parallel.cp_layout import CPLayout
+from ringserve.parallel.cp.layout import CPLayout
 from ringserve.worker.kv_groups import min_blocks
 
 RELEASED = -1  # a block_table entry whose block no query of the sequence can see any more

@@ -9,7 +9,7 @@ import torch
 
 from ringserve.config import ModelConfig
 from ringserve.engine.scheduler import ScheduledBatch
-from ringserve.parallel.cp import CPCalibration, choose_cp_algo, visible_cached_tokens
+from ringserve.parallel.cp.policy import CPCalibration, choose_cp_algo, visible_cached_tokens
 
 logger = logging.getLogger(__name__)
 

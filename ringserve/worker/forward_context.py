@@ -14,7 +14,7 @@ from ringserve.config import FULL_ATTENTION, AttentionWindow
 from ringserve.kernels.elementwise import rotary_store_kv, store_kv
 from ringserve.kernels.lse_merge import add_sinks
 from ringserve.kernels.skinny_matmul import qkv_rope_store
-from ringserve.parallel.cp import RingAttention
+from ringserve.parallel.cp.ring import RingAttention
 from ringserve.worker.kv_cache import KVCache
 
 

@@ -10,7 +10,8 @@ from ringserve.attention.paged import PagedBatch, decode_splits, fits_one_block,
 from ringserve.config import FULL_ATTENTION
 from ringserve.model.decoder import Transformer
 from ringserve.parallel.comm import all_gather_stacked
-from ringserve.parallel.cp import PagedKeys, RingAttention, RingStep
+from ringserve.parallel.cp.plan import RingStep
+from ringserve.parallel.cp.ring import PagedKeys, RingAttention
 from ringserve.worker.forward_context import PagedAttentionContext, RingAttentionContext
 from ringserve.worker.kv_cache import KVCache
 from ringserve.worker.step_input import StepInput

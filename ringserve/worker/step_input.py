@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from ringserve.parallel.cp_layout import CPLayout, CPStep
+from ringserve.parallel.cp.layout import CPLayout, CPStep
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ringserve.attention.dense import dense_block
 from ringserve.measurements import DEFAULT_REPEATS, save_measurement, save_unless_contradicted
-from ringserve.parallel.cp import CPCalibration
+from ringserve.parallel.cp.policy import CPCalibration
 from ringserve.parallel.local_world import run_local_world
 
 _WARMUP = 2

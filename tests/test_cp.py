@@ -332,7 +332,7 @@ def test_auto_uses_pass_kv_for_prefill_and_pass_q_for_decode(tiny_model_dir, ref
 
     monkeypatch.setenv("RINGSERVE_CACHE", "/nonexistent")  # the built-in defaults, not a stored calibration
     ref_long = reference("llama")[0]
-    with caplog.at_level(logging.DEBUG, logger="ringserve.engine.cp_policy"):
+    with caplog.at_level(logging.DEBUG, logger="ringserve.parallel.cp.policy"):
         with LLM(tiny_model_dir("llama"), device="cpu", dtype="float32", block_size=BS, cp=2) as llm:
             assert llm.generate([LONG], GREEDY)[0].token_ids == ref_long
     decisions = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cp step")]

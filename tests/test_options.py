@@ -53,7 +53,7 @@ REACHED = {
     "async_scheduling": lambda e, rec: e.async_scheduling,
     "show_progress": lambda e, rec: rec["show_progress"],
     "tokenizer": lambda e, rec: e.tokenizer.name_or_path,
-    "chat_template": lambda e, rec: e.chat_template,
+    "chat_template": lambda e, rec: e.input_processor.chat_template,
     "seed": lambda e, rec: e.seed_rng.initial_seed(),
     "generation_config": lambda e, rec: e.options.generation_config,
 }

@@ -1056,16 +1056,8 @@ def test_several_served_model_names(tiny_model_dir, monkeypatch):
 # The engine loop's failures, on a fake engine -----------------------------------------------
 
 
-class FakeEngine:
-    """Fails every step with `error`; without one, never answers (what is added keeps waiting)."""
-
-    def __init__(self, error: BaseException | None):
-        self.error, self.seqs, self.pending, self.aborted, self.closed = error, {}, [], [], False
-        self.max_model_len, self.tokenizer, self.model_path = 64, None, "fake"
-        blocks = SimpleNamespace(num_free_blocks=8, num_blocks=8)
-        self.replicas = [SimpleNamespace(running=[], waiting=[], num_preemptions=0, block_manager=blocks)]
-        self.cp_steps = {}
-        self.dead: BaseException | None = None  # what check_health raises (a rank died)
+class FakeInputProcessor:
+    """Token ids as given, no checks but an empty prompt, no generation_config.json."""
 
     def tokenize(self, prompt, chat=False):
         return list(prompt)
@@ -1077,8 +1069,21 @@ class FakeEngine:
     def check_params(self, params):
         pass
 
-    def default_params(self, **given):  # no generation_config.json: the fields as given
+    def default_params(self, **given):  # the fields as given
         return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+
+
+class FakeEngine:
+    """Fails every step with `error`; without one, never answers (what is added keeps waiting)."""
+
+    def __init__(self, error: BaseException | None):
+        self.error, self.seqs, self.pending, self.aborted, self.closed = error, {}, [], [], False
+        self.max_model_len, self.tokenizer, self.model_path = 64, None, "fake"
+        blocks = SimpleNamespace(num_free_blocks=8, num_blocks=8)
+        self.replicas = [SimpleNamespace(running=[], waiting=[], num_preemptions=0, block_manager=blocks)]
+        self.cp_steps = {}
+        self.dead: BaseException | None = None  # what check_health raises (a rank died)
+        self.input_processor = FakeInputProcessor()
 
     def add_request(self, prompt, params, request_id, prompt_token_ids=None):
         self.pending.append(request_id)
@@ -1449,7 +1454,8 @@ def test_request_larger_than_the_cache_fails_alone(tiny_model_dir):
         dtype="float32",
         engine_config=EngineConfig(num_blocks=4, max_model_len=64),
     )
-    engine.max_model_len = 512
+    for holder in (engine, engine.input_processor, engine.output_processor):
+        holder.max_model_len = 512
     with pytest.raises(RequestError, match="whole KV cache"):
         engine.add_request(list(range(1, 70)), SamplingParams(max_tokens=2))  # 5 blocks of 16
     engine.add_request(list(range(1, 41)), SamplingParams(max_tokens=60, ignore_eos=True), "big")

@@ -20,7 +20,6 @@ import torch
 from ringserve.config import EngineConfig, ModelConfig, ParallelConfig, resolve_dtype
 from ringserve.engine import chat_template as chat
 from ringserve.engine.block_manager import BlockManager
-from ringserve.engine.cp_policy import CPPolicy
 from ringserve.engine.dp_scheduler import DataParallelScheduler
 from ringserve.engine.executor import WorkerError, WorkerSpec, limit_host_threads
 from ringserve.engine.input_processor import InputProcessor
@@ -45,6 +44,7 @@ from ringserve.engine.text_bound import max_prompt_chars
 from ringserve.errors import RequestError, RequestTooLargeError
 from ringserve.options import EngineOptions, OptionError
 from ringserve.outputs import RequestOutput
+from ringserve.parallel.cp.policy import CPPolicy
 from ringserve.sampling_params import SamplingParams
 from ringserve.worker.kv_groups import KVGroups
 from ringserve.worker.step_input import StepInput

@@ -1,13 +1,19 @@
 """Which ring a step takes (DESIGN.md 2.5): the cost of pass-KV against pass-Q for its new
 and cached tokens, from the measured attention throughput and link bandwidth
-(calibrate.py measures them; engine/cp_policy.py counts a batch's tokens for it)."""
+(calibrate.py measures them). CPPolicy makes the choice for the engine: the ring asked
+for, or under "auto" the one the cost model expects to be faster."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-from ringserve.config import AttentionWindow
+import torch
+
+from ringserve.config import AttentionWindow, ModelConfig
 from ringserve.measurements import load_measurement
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,3 +64,37 @@ def choose_cp_algo(
     if t / (t + p) >= 2 * num_kv_heads / num_heads - 4 * t * bw / (n * c * e):
         return "pass_kv"
     return "pass_q"
+
+
+class CPPolicy:
+    def __init__(
+        self, cp_algo: str, cp: int, model_config: ModelConfig, dtype: torch.dtype, device_type: str
+    ):
+        self.cp_algo = cp_algo  # "auto", "pass_kv" or "pass_q"
+        self.cp = cp
+        self.model_config = model_config
+        self.dtype = dtype
+        self.calibration = CPCalibration.load(device_type)
+
+    def choose(self, batch) -> str:
+        """The ring of a step: batch, the engine's ScheduledBatch (its sequences and the new
+        tokens of each; the engine's type, named but not imported beneath it)."""
+        if self.cp_algo != "auto":
+            return self.cp_algo
+        c = self.model_config
+        new_tokens = sum(batch.num_tokens)
+        # the cached keys the new tokens can see (all of them without local attention)
+        cached = visible_cached_tokens(c.attention_windows, [seq.num_computed_tokens for seq in batch.seqs])
+        algo = choose_cp_algo(
+            new_tokens,
+            cached,
+            self.cp,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            torch.empty((), dtype=self.dtype).element_size(),
+            self.calibration,
+        )
+        logger.debug(
+            "cp step: %d new, %d cached tokens over %d ranks -> %s", new_tokens, cached, self.cp, algo
+        )
+        return algo

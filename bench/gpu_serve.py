@@ -33,6 +33,9 @@ import urllib.request
 
 import torch
 
+# the 8B-shaped model every serving and structured-output bench uses, written once a machine
+MODEL_DIR = "/tmp/llama8b-random"
+
 
 def make_model(tokenizer_dir: str, folder: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
@@ -104,7 +107,7 @@ def main() -> int:
     )
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--model-dir", default="/tmp/llama8b-random", help="written once, then reused")
+    parser.add_argument("--model-dir", default=MODEL_DIR, help="written once, then reused")
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--tag", default="", help="prefix of the result files")
     parser.add_argument("--server-args", default="", help="extra flags for `ringserve serve`")

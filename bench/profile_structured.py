@@ -16,6 +16,7 @@ import os
 import time
 
 import torch
+from gpu_serve import MODEL_DIR
 from structured_overhead import decode_step_times, list_schema
 
 import ringserve.engine.engine as engine_module
@@ -50,7 +51,7 @@ def report(label: str, gaps: list[float], table: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokenizer", required=True)
-    parser.add_argument("--model-dir", default="/tmp/llama8b-random")
+    parser.add_argument("--model-dir", default=MODEL_DIR)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--max-lengths", type=int, nargs="*", default=[16, 0])

@@ -19,6 +19,7 @@ import statistics
 import time
 
 import torch
+from gpu_serve import MODEL_DIR, make_model
 
 from ringserve import LLM, SamplingParams, StructuredOutputsParams
 
@@ -94,9 +95,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tokenizer", required=True)
-    parser.add_argument(
-        "--model-dir", default="/tmp/llama8b-random", help="written once (gpu_serve.py), then reused"
-    )
+    parser.add_argument("--model-dir", default=MODEL_DIR, help="written once (gpu_serve.py), then reused")
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 64])
     parser.add_argument("--steps", type=int, default=96)
     parser.add_argument(
@@ -105,8 +104,6 @@ def main() -> None:
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if not os.path.exists(os.path.join(args.model_dir, "config.json")):
-        from gpu_serve import make_model
-
         make_model(args.tokenizer, args.model_dir)
     result = {}
     with LLM(args.model_dir, max_num_seqs=max(args.batches)) as llm:

@@ -85,28 +85,14 @@ def _maximum(a, b):
 
 
 def first_visible_block(position: int, block_size: int, reach: AttentionWindow | int | None) -> int:
-    """The first block (of block_size positions) with a key a query at `position` may see:
-    the first a cache keeps for it and the first attention reads. The one host definition;
-    the paged-attention Triton kernel (attention/paged.py) repeats the exact rule on the
-    device.
+    """The first block with a key a query at `position` may see: the one host definition
+    (attention/paged.py's kernel repeats the exact rule on the device).
 
-    Two conventions, for two kinds of caller:
-
-    - reach an AttentionWindow (one layer's): exact, the block of
-      window.first_visible(position) (sliding W: position - W + 1; chunk C: the first
-      position of position's chunk). What one layer's attention reads
-      (attention/paged.py's gather_plan).
-    - reach a lookback (an int; None: unbounded, block 0): the block of position - lookback.
-      What keeps blocks for several layers at once, which know one number for all of
-      them: a KV group (worker/kv_groups.py min_blocks, engine/block_manager.py), whose
-      layers share a lookback (AttentionWindow.lookback: W - 1, C - 1; a sliding W and
-      a chunk W share a group), and the CP layout's recent blocks (parallel/cp/layout.py),
-      from the widest lookback of any windowed layer (ModelConfig.local_lookback).
-
-    The lookback one is a bound of the exact one: position - lookback <=
-    window.first_visible(position) for every window with window.lookback() <= lookback
-    (equal for a sliding window alone; a chunk's start lies up to C - 1 after it), so the
-    blocks a group or the layout keeps from it hold every key each of its layers reads.
+    reach a window (one layer's): exact, the block of window.first_visible(position), what
+    that layer's attention reads. reach a lookback (an int; None: block 0): the block of
+    position - lookback, for what keeps blocks for several layers at once (a KV group, the
+    CP layout's recent blocks). It never lies after the exact block of any window whose
+    lookback is no wider, so those blocks hold every key their layers read.
     """
     if isinstance(reach, AttentionWindow):
         return reach.first_visible(position) // block_size

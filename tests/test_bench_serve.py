@@ -17,8 +17,10 @@ from ringserve.benchmarks.arrivals import send_times
 from ringserve.benchmarks.client import RequestResult, send
 from ringserve.benchmarks.compare import compare
 from ringserve.benchmarks.datasets import (
+    COPY_INSTRUCTIONS,
     PromptMaker,
     SampleRequest,
+    copy_requests,
     prefix_repetition_requests,
     random_requests,
     sample_lengths,
@@ -350,6 +352,46 @@ def test_sharegpt_file_loading(tmp_path):
     assert [r.prompt for r in reqs[4:]] == [r.prompt for r in reqs[:3]]
     with pytest.raises(ValueError, match="tokenizer"):
         sharegpt_requests(str(path), None, 2, np.random.default_rng(0))
+
+
+def test_copy_dataset_asks_to_copy_passages_of_the_file(tmp_path, builtin_dir):
+    """Each prompt is an instruction and a contiguous passage of the file, of the sampled
+    length in tokens; max_tokens is the passage's length (the answer copies it)."""
+    from transformers import AutoTokenizer
+
+    words = [f"w{i}" for i in range(400)]
+    path = tmp_path / "text.txt"
+    path.write_text(" ".join(words))
+    reqs = copy_requests(str(path), None, 20, 30, np.random.default_rng(0), range_ratio=0.5)
+    for r in reqs:
+        instruction, passage = r.prompt.split("\n\n")
+        assert instruction in COPY_INSTRUCTIONS
+        first = words.index(passage.split()[0])
+        assert passage.split() == words[first : first + len(passage.split())]  # contiguous
+        assert 15 <= r.expected_output_len == len(passage.split()) <= 45
+        assert r.prompt_len == len(instruction.split()) + r.expected_output_len
+    assert len({r.prompt for r in reqs}) == 20 and len({r.expected_output_len for r in reqs}) > 3
+    tok = AutoTokenizer.from_pretrained(builtin_dir)
+    path.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    for r in copy_requests(str(path), tok, 5, 24, np.random.default_rng(1)):
+        passage = r.prompt.split("\n\n", 1)[1]
+        assert r.expected_output_len == len(tok.encode(passage, add_special_tokens=False))
+        assert abs(r.expected_output_len - 24) <= 2 and passage in path.read_text()
+    with pytest.raises(ValueError, match="fewer than a passage"):
+        copy_requests(str(path), None, 2, 1000, np.random.default_rng(0))
+
+
+def test_bench_chat_with_the_copy_dataset(live, tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text("Paris is the capital of France. Rome is the capital of Italy. " * 20)
+    code, result = _bench(
+        live,
+        tmp_path,
+        *("--endpoint", "chat", "--dataset-name", "copy", "--dataset-path", str(path)),
+        *("--num-prompts", "2", "--copy-passage-len", "16", "--ignore-eos"),
+    )
+    assert code == 0 and result["completed"] == 2 and result["dataset_name"] == "copy"
+    assert all(14 <= n <= 18 for n in result["output_lens"])  # each passage's own length
 
 
 def _stream_once(handler, endpoint="completions") -> RequestResult:

@@ -1,5 +1,6 @@
 """The benchmark's prompts: random token ids, ShareGPT conversations from a local file, and
-shared prefixes with random suffixes, as `vllm bench serve` samples them.
+shared prefixes with random suffixes, as `vllm bench serve` samples them; and passages of a
+local text that the answer copies (speculative decoding's workload: RAG, edits, summaries).
 
 Prompt lengths are exact where they can be: with the server's tokenizer, a /v1/completions
 prompt is sent as token ids, which the server takes as they are (no re-tokenising, so the
@@ -165,3 +166,49 @@ def sharegpt_requests(
     if not out:
         raise ValueError(f"{path}: no conversation fits (two turns, 4..1024 prompt tokens, 2048 in all)")
     return [out[i % len(out)] for i in range(num_prompts)]
+
+
+# What the copy dataset asks of a passage: answers that copy most of the prompt, as RAG
+# quotes, code edits and rewrites do (prompt lookup and draft models feed on them).
+COPY_INSTRUCTIONS = (
+    "Repeat the following passage exactly, word for word:",
+    "Copy the passage below, correcting any spelling mistakes and changing nothing else:",
+    "Rewrite the passage below with each sentence on a line of its own:",
+)
+
+
+def copy_requests(
+    path: str,
+    tokenizer,
+    num_prompts: int,
+    passage_len: int,
+    rng: np.random.Generator,
+    range_ratio: float = 0.0,
+) -> list[SampleRequest]:
+    """Passages of about passage_len tokens from random places of a local text file, each
+    after one of COPY_INSTRUCTIONS; max_tokens is the passage's length, so a model that does
+    what it is asked copies its prompt to the end. The text is tokenised once. Without a
+    tokenizer a word counts as a token."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if tokenizer is not None:
+        units, join = tokenizer.encode(text, add_special_tokens=False), tokenizer.decode
+
+        def count(s: str) -> int:
+            return len(tokenizer.encode(s, add_special_tokens=False))
+    else:
+        units, join = text.split(), " ".join
+
+        def count(s: str) -> int:
+            return len(s.split())
+
+    lengths = sample_lengths(rng, passage_len, range_ratio, num_prompts)
+    if len(units) < lengths.max():
+        raise ValueError(f"{path}: {len(units)} tokens, fewer than a passage of {lengths.max()}")
+    out = []
+    for n in lengths:
+        start = int(rng.integers(0, len(units) - n + 1))
+        passage = join(units[start : start + n]).strip()
+        prompt = f"{COPY_INSTRUCTIONS[int(rng.integers(len(COPY_INSTRUCTIONS)))]}\n\n{passage}"
+        out.append(SampleRequest(prompt, count(prompt), count(passage)))
+    return out

@@ -60,10 +60,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--dataset-name",
         type=lambda name: name.replace("_", "-"),  # vLLM spells it prefix_repetition
-        choices=("random", "sharegpt", "prefix-repetition"),
+        choices=("random", "sharegpt", "prefix-repetition", "copy"),
         default="random",
     )
-    data.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (local)")
+    data.add_argument(
+        "--dataset-path", default=None, help="ShareGPT JSON file, or the copy dataset's text file (local)"
+    )
     data.add_argument("--num-prompts", type=int, default=1000)
     data.add_argument("--random-input-len", type=int, default=1024)
     data.add_argument("--random-output-len", type=int, default=128)
@@ -79,6 +81,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     data.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
     data.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    data.add_argument(
+        "--copy-passage-len",
+        type=int,
+        default=256,
+        help="copy dataset: tokens a passage holds (varied by --random-range-ratio); the answer copies it",
+    )
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
@@ -180,6 +188,17 @@ def make_requests(args, tokenizer, rng: np.random.Generator) -> list[datasets.Sa
             raise BenchError("--dataset-name sharegpt needs --dataset-path FILE.json")
         return datasets.sharegpt_requests(
             args.dataset_path, tokenizer, args.num_prompts, rng, args.sharegpt_output_len
+        )
+    if args.dataset_name == "copy":
+        if not args.dataset_path:
+            raise BenchError("--dataset-name copy needs --dataset-path FILE.txt (any long local text)")
+        return datasets.copy_requests(
+            args.dataset_path,
+            tokenizer,
+            args.num_prompts,
+            args.copy_passage_len,
+            rng,
+            args.random_range_ratio,
         )
     if args.dataset_name == "prefix-repetition":
         return datasets.prefix_repetition_requests(
@@ -324,7 +343,9 @@ def run(args) -> int:
     tokenizer = datasets.load_tokenizer(args.tokenizer or server.model_root)
     if args.tokenizer and tokenizer is None:
         raise BenchError(f"--tokenizer {args.tokenizer}: no tokenizer in that folder")
-    if tokenizer is None and args.dataset_name != "sharegpt":
+    if tokenizer is None and args.dataset_name == "copy":
+        print("no tokenizer on this machine: passage lengths are counted in words", file=sys.stderr)
+    elif tokenizer is None and args.dataset_name != "sharegpt":
         print("no tokenizer on this machine: prompts are common words, lengths approximate", file=sys.stderr)
     rng = np.random.default_rng(args.seed)
     arrivals_rng = np.random.default_rng([args.seed, 1])  # the schedule does not shift with the data

@@ -172,3 +172,44 @@ def test_bad_grammars_are_refused_and_nothing_is_queued(smol_vocab_model):
     for spec in [{}, dict(regex="a", choice=["a"]), dict(choice=[]), dict(choice=[1])]:
         with pytest.raises(RequestError, match="structured_outputs"):
             StructuredOutputsParams(**spec)
+
+
+def test_grammar_masks_match_each_matchers_own_bitmask_as_the_batch_grows(smol_vocab_model):
+    """GrammarMasks.apply against llguidance's compute_bitmask, row by row, over steps whose
+    batch grows past the host buffers (they are rebuilt) and shrinks (a slice of them), with
+    free rows (every token allowed) and a row whose grammar is done (left as it is)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from ringserve.engine.structured_output import GrammarCompiler, GrammarMasks
+
+    tokenizer = AutoTokenizer.from_pretrained(smol_vocab_model)
+    vocab = 49152
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    masks = GrammarMasks(vocab, torch.device("cpu"))
+    spec = StructuredOutputsParams(json=SCHEMAS[2], disable_any_whitespace=True)
+    grammars = [compiler.matcher(spec) for _ in range(8)]  # a row's own: one matcher per row
+    done = compiler.matcher(StructuredOutputsParams(choice=["yes"]))
+    done.advance(tokenizer.encode("yes", add_special_tokens=False))
+    assert done.done
+    prefixes = ['{"tags": ["a"', '{"tags', "", '{"tags": ["b", "c"], "points": [{"x": 1', "[", '{"tags": []']
+    for g, prefix in zip(grammars, prefixes * 2):
+        g.advance(tokenizer.encode(prefix, add_special_tokens=False)[:6])  # some stop early: an error
+    for num_rows, rows in [(3, [0, 2]), (8, [1, 2, 4, 5, 7]), (2, [1])]:
+        logits = torch.randn(num_rows, vocab)
+        step = [grammars[i] for i in rows]
+        if num_rows == 8:
+            rows, step = [*rows, 6], [*step, done]
+        masked = masks.apply(logits, rows, step)
+        for r in range(num_rows):
+            if r not in rows or (r == 6 and num_rows == 8):
+                assert torch.equal(masked[r], logits[r])  # free, or done: untouched
+                continue
+            g = step[rows.index(r)]
+            if g.error is not None:
+                assert torch.equal(masked[r], logits[r])
+                continue
+            words = torch.frombuffer(bytearray(g.matcher.compute_bitmask()), dtype=torch.int32)
+            allowed = ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:vocab]
+            assert torch.equal(masked[r] == float("-inf"), allowed == 0)
+            assert torch.equal(masked[r][allowed == 1], logits[r][allowed == 1])

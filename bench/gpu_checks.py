@@ -223,7 +223,8 @@ def check_qkv_rope():
     error than the two kernels' (within 1.25x: the two differ by a bfloat16 rounding here and
     there, the matmul's dot having 32 columns, not 64), the cache slots holding exactly the k
     and v returned, and no other slot touched."""
-    from ringserve import kernels, skinny_matmul
+    from ringserve.kernels import elementwise as kernels
+    from ringserve.kernels import skinny_matmul
 
     errs = {"fused": 0.0, "two kernels": 0.0}
     diff = 0.0

@@ -131,18 +131,20 @@ class Grammar:
 class GrammarMasks:
     """The engine's one instance: the batch's bitmasks and the threads that fill them.
 
-    Nothing here allocates pinned memory or builds an index per step: two host buffers, used
-    in turn, hold the batch's bitmasks (rows without a grammar allow every token), so the
-    step's only transfer is one copy from pinned memory that does not wait for the device."""
+    Nothing here allocates pinned memory per step: two host buffers, used in turn, hold the
+    constrained rows' bitmasks and the rows they are for, so the step's only transfers are
+    copies from pinned memory that do not wait for the device. The device's work scales with
+    the constrained rows, not the batch."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
         self.device = device
         self.words = (vocab_size + 31) // 32  # a row's bitmask: 32 tokens to an int32
         self._executor: llguidance.LLExecutor | None = None  # threads started on first use
-        # bit j of a word, for unpacking on the device: [32] int32
-        self._bits = torch.arange(32, dtype=torch.int32, device=device)
-        self._buffers: list[torch.Tensor] = []  # 2 x [rows, words] int32, pinned on CUDA
+        # bit j of a byte, for unpacking on the device: [8] uint8
+        self._bits = torch.arange(8, dtype=torch.uint8, device=device)
+        # 2 x ([rows, words] int32 bitmasks, [rows] int64 row indices), pinned on CUDA
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._copied: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy
         self._turn = 0
 
@@ -161,39 +163,52 @@ class GrammarMasks:
         """logits [S, V] -> the same with the disallowed tokens of each row in `rows` at -inf
         (a new tensor). A row whose grammar is done or failed is left as it is: its sequence
         ends when this step's token is read, and the token is dropped."""
-        num_rows = logits.shape[0]
-        host = self._host_buffer(num_rows)  # [S, W]
         live = [(g.matcher, row) for row, g in zip(rows, grammars) if not g.done and g.error is None]
-        masked = {row for _, row in live}
-        for row in range(num_rows):
-            if row not in masked:
-                host[row].fill_(-1)  # every token allowed
-        if live:
-            self._threads().unsafe_compute_mask_ptr(live, host.data_ptr(), self.words * 4, num_rows)
-        words = host.to(self.device, non_blocking=True)  # [S, W]
+        if not live:
+            return logits
+        bitmasks, index = self._host_buffers(len(live))  # [R, W], [R]
+        index.copy_(torch.tensor([row for _, row in live]))
+        self._threads().unsafe_compute_mask_ptr(
+            [(matcher, i) for i, (matcher, _) in enumerate(live)],
+            bitmasks.data_ptr(),
+            self.words * 4,
+            len(live),
+        )
+        words = bitmasks.to(self.device, non_blocking=True)
+        rows_on_device = index.to(self.device, non_blocking=True)
         if self.device.type == "cuda":
             self._copied[self._turn] = torch.cuda.Event()
-            self._copied[self._turn].record()
-        allowed = ((words.unsqueeze(-1) >> self._bits) & 1).view(num_rows, -1)[:, : logits.shape[1]]
-        return logits.masked_fill(allowed == 0, float("-inf"))
+            self._copied[self._turn].record(torch.cuda.current_stream(self.device))
+        # Little-endian words: byte b of word w holds tokens 32w + 8b .. + 7, so the bytes'
+        # bits in order are the tokens in order. [R, 4W, 8] uint8 -> [R, V]
+        allowed = ((words.view(torch.uint8).unsqueeze(-1) >> self._bits) & 1).view(len(live), -1)
+        masked = logits.index_select(0, rows_on_device).masked_fill_(
+            allowed[:, : logits.shape[1]] == 0, float("-inf")
+        )
+        return logits.index_copy(0, rows_on_device, masked)
 
     def _threads(self) -> llguidance.LLExecutor:
         if self._executor is None:  # llguidance's threads: 80% of the cores, at most 32
             self._executor = llguidance.LLExecutor()
         return self._executor
 
-    def _host_buffer(self, num_rows: int) -> torch.Tensor:
-        """The next host buffer in turn, [num_rows, words], once its last copy is done (the
-        copy of two steps ago: long finished when the host reads the tokens in between)."""
+    def _host_buffers(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next host buffers in turn, for num_rows rows, once their last copies are done
+        (those of two steps ago: long finished when the host reads the tokens in between)."""
         self._turn = 1 - self._turn
-        if not self._buffers or self._buffers[0].shape[0] < num_rows:
+        if not self._buffers or self._buffers[0][0].shape[0] < num_rows:
             cuda = self.device.type == "cuda"
             if cuda:
-                torch.cuda.current_stream().synchronize()  # the old buffers' copies are done
+                torch.cuda.current_stream(self.device).synchronize()  # the old buffers' copies are done
             self._buffers = [
-                torch.empty((num_rows, self.words), dtype=torch.int32, pin_memory=cuda) for _ in range(2)
+                (
+                    torch.empty((num_rows, self.words), dtype=torch.int32, pin_memory=cuda),
+                    torch.empty(num_rows, dtype=torch.int64, pin_memory=cuda),
+                )
+                for _ in range(2)
             ]
             self._copied = [None, None]
         elif self._copied[self._turn] is not None:
             self._copied[self._turn].synchronize()
-        return self._buffers[self._turn][:num_rows]
+        bitmasks, index = self._buffers[self._turn]
+        return bitmasks[:num_rows], index[:num_rows]

@@ -17,6 +17,7 @@ import torch
 from ringserve.config.dense_families import DENSE_FAMILY_FIELDS
 from ringserve.config.moe_families import MOE_FAMILY_FIELDS, TEXT_MODEL_OF
 from ringserve.config.names import GATED_ACTIVATIONS
+from ringserve.config.quantization import WeightQuantization, parse_quantization
 from ringserve.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = (
@@ -185,6 +186,8 @@ class ModelConfig:
     # Per layer: which keys a query sees (sliding windows, attention chunks); () is all full.
     attention_windows: tuple[AttentionWindow, ...] = ()
     hf_config: object = field(default=None, repr=False)  # the transformers config, for RoPE
+    # A pre-quantised checkpoint's format (config.json quantization_config); None: plain weights.
+    quantization: WeightQuantization | None = None
 
     @classmethod
     def from_pretrained(cls, folder: str) -> ModelConfig:
@@ -205,6 +208,12 @@ class ModelConfig:
                 f"{path}: unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"ringserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        quantization = parse_quantization(raw.get("quantization_config"), arch)
+        if quantization is not None and quantization.method == "mxfp4" and arch != "GptOssForCausalLM":
+            raise ModelLoadError(
+                f"{arch}: quantization_config.quant_method='mxfp4' is not supported "
+                "(ringserve dequantises gpt-oss's MXFP4 experts only)"
+            )
         from transformers import AutoConfig  # slow import: only when a model is loaded
 
         hf = AutoConfig.from_pretrained(folder)
@@ -212,8 +221,10 @@ class ModelConfig:
             config = cls.from_hf(hf.text_config, TEXT_MODEL_OF[arch])
             if _declared_dtype(hf.text_config) is None:  # the whole model's, then
                 config.dtype = _declared_dtype(hf) or config.dtype
-            return config
-        return cls.from_hf(hf.get_text_config(), arch)
+        else:
+            config = cls.from_hf(hf.get_text_config(), arch)
+        config.quantization = quantization
+        return config
 
     @classmethod
     def from_hf(cls, hf, arch: str) -> ModelConfig:

@@ -20,8 +20,10 @@ import torch
 from safetensors import safe_open
 
 from ringserve.config import ModelConfig, TPShard
+from ringserve.config.quantization import FP8_METHODS
 from ringserve.errors import ModelLoadError
 from ringserve.model.decoder import Experts, MergedLinear, Transformer
+from ringserve.model.fp8 import is_fp8, pair_fp8, scales_first
 from ringserve.model.mxfp4 import pair_quantized
 
 logger = logging.getLogger(__name__)
@@ -145,7 +147,7 @@ def _file_tensors(folder: str):
         except Exception as e:  # safetensors raises its own error type for bad headers
             raise ModelLoadError(f"cannot read weight file {path}: {e}") from e
         with handle as f:
-            for name in f.keys():
+            for name in scales_first(f.keys()):
 
                 def read(index, name=name, f=f):
                     source = f.get_slice(name)
@@ -176,7 +178,8 @@ def deinterleave_heads(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def _memory_tensors(tensors: Mapping[str, torch.Tensor]):
-    for name, tensor in tensors.items():
+    for name in scales_first(tensors):
+        tensor = tensors[name]
 
         def read(index, tensor=tensor):
             return read_index(tensor, index(tuple(tensor.shape)))
@@ -210,6 +213,9 @@ def load_weights(
     progress = tqdm(total=len(expected), desc="Loading weights", unit="tensor") if show_progress else None
     source = pair_quantized(_memory_tensors(tensors) if tensors is not None else _file_tensors(folder))
     config = model.config
+    quantization = config.quantization
+    if quantization is not None and quantization.method in FP8_METHODS:
+        source = pair_fp8(source, quantization.block)
     for name, origin, read in source:
         if _IGNORED.search(name):
             continue
@@ -233,6 +239,11 @@ def load_weights(
             tensor = read(lambda shape, param_name=param_name: plan.local_slice(param_name, shape))
         except Exception as e:
             raise ModelLoadError(f"cannot read tensor {name} from {origin} (truncated file?): {e}") from e
+        if is_fp8(tensor):
+            raise ModelLoadError(
+                f"tensor {name} in {origin} is {tensor.dtype} without a weight_scale beside it "
+                "(ringserve dequantises FP8 weights of a compressed-tensors or fp8 quantization_config)"
+            )
         if (
             plan.pads(param_name)
             and tensor.shape[0] < target.shape[0]

@@ -1,0 +1,256 @@
+"""Pre-quantised FP8 checkpoints load by dequantising into the model's dtype: compressed-tensors
+(written by compressed-tensors itself: FP8_DYNAMIC per channel, FP8 per tensor with static
+input scales, FP8_BLOCK) and transformers' "fp8" block format (written byte for byte: no
+writer for it outside a GPU). Each is checked against its library's own dequantisation, and
+transformers run on those dequantised weights saved as a plain checkpoint."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ringserve import LLM, ModelLoadError, SamplingParams
+from ringserve.config import ModelConfig
+from ringserve.engine.engine import LLMEngine
+from ringserve.engine.logits_probe import engine_logits
+from ringserve.model.fp8 import dequantize_fp8
+from ringserve.model.tiny_models import TINY, hf_greedy, hf_model, save_random_model
+from ringserve.model.weights import load_model
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+# Blocks that divide neither the 64 wide hidden size nor the 88 wide MLP (nor its 44 rows a
+# rank holds at tp=2): partial blocks at the edges, blocks cut by the shard boundary.
+BLOCK = [16, 24]
+FORMATS = ["ct_channel", "ct_tensor", "ct_block", "fp8_block"]
+PROMPT = [5, 17, 42, 99, 3, 250, 7]
+
+
+def _llama_config():
+    import transformers as tf
+
+    # Untied, as published FP8 checkpoints are: lm_head stays unquantised (ignored).
+    return tf.LlamaConfig(**{**TINY, "intermediate_size": 88}, tie_word_embeddings=False)
+
+
+def _is_linear(name: str) -> bool:
+    return name.startswith("model.layers.") and name.endswith("proj.weight")
+
+
+def _compressed_tensors(base: str, folder, scheme: str) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own writer: its scheme applied to the transformers model, scales
+    from each weight's absolute maximum (what llm-compressor's minmax observer computes),
+    compressed by its ModelCompressor. Returns its own dequantisation of each weight."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    model = hf_model(base)
+    quant_scheme = preset_name_to_scheme(scheme, ["Linear"])
+    if scheme == "FP8_BLOCK":
+        quant_scheme.weights.block_structure = BLOCK
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": quant_scheme}, ignore=["lm_head"])
+    )
+    args = quant_scheme.weights
+    with torch.no_grad():
+        for module in model.modules():
+            if not hasattr(module, "weight_scale"):
+                continue
+            w = module.weight.abs()
+            if args.strategy == "tensor":
+                amax = w.amax().reshape(1)
+            elif args.strategy == "channel":
+                amax = w.amax(1, keepdim=True)
+            else:
+                amax = _block_amax(w, BLOCK)
+            module.weight_scale.copy_(amax / FP8_MAX)
+            if hasattr(module, "input_scale"):
+                module.input_scale.fill_(0.05)  # a static activation scale: present, not read
+    ModelCompressor.from_pretrained_model(model).compress_model(model)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(f"{base}/config.json", folder / "config.json")
+    ModelCompressor.from_pretrained_model(model).update_config(str(folder))
+    return {
+        name: dequantize(tensors[name], tensors[name + "_scale"], args=args, dtype=torch.float32).contiguous()
+        for name in tensors
+        if name + "_scale" in tensors
+    }
+
+
+def _block_amax(w: torch.Tensor, block) -> torch.Tensor:
+    rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+    padded = torch.zeros(rows * block[0], cols * block[1])
+    padded[: w.shape[0], : w.shape[1]] = w.abs()
+    return padded.reshape(rows, block[0], cols, block[1]).amax((1, 3))
+
+
+def _transformers_fp8(base: str, folder) -> dict[str, torch.Tensor]:
+    """transformers' FineGrainedFP8Config layout, byte for byte: e4m3 `weight` and float32
+    `weight_scale_inv` [ceil(out/16), ceil(in/24)] (amax / 448 per block), lm_head left out.
+    Returns transformers' own dequantisation of each weight."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    tensors = load_file(f"{base}/model.safetensors")
+    packed, reference = {}, {}
+    for name, w in tensors.items():
+        if not _is_linear(name):
+            packed[name] = w
+            continue
+        scale_inv = _block_amax(w, BLOCK) / FP8_MAX
+        expanded = scale_inv.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
+        q = (w / expanded[: w.shape[0], : w.shape[1]]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        packed[name], packed[name + "_scale_inv"] = q, scale_inv
+        reference[name] = _dequantize_fp8_weight(q, scale_inv, BLOCK, torch.float32)
+    config = json.loads(open(f"{base}/config.json").read())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": BLOCK,
+        "modules_to_not_convert": ["lm_head"],
+    }
+    save_file(packed, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config))
+    return reference
+
+
+@pytest.fixture(scope="module")
+def fp8_folders(tmp_path_factory):
+    """format -> (quantised folder, plain folder of its library's dequantisation)."""
+    base = save_random_model(_llama_config(), str(tmp_path_factory.mktemp("fp8_base")))
+    made = {}
+
+    def get(fmt: str):
+        if fmt not in made:
+            quantized, dense = tmp_path_factory.mktemp(fmt), tmp_path_factory.mktemp(fmt + "_dense")
+            if fmt == "fp8_block":
+                reference = _transformers_fp8(base, quantized)
+            else:
+                scheme = {"ct_channel": "FP8_DYNAMIC", "ct_tensor": "FP8", "ct_block": "FP8_BLOCK"}[fmt]
+                reference = _compressed_tensors(base, quantized, scheme)
+            plain = load_file(f"{base}/model.safetensors")
+            assert set(reference) == {n for n in plain if _is_linear(n)}
+            plain.update(reference)
+            save_file(plain, str(dense / "model.safetensors"), metadata={"format": "pt"})
+            shutil.copy(f"{base}/config.json", dense / "config.json")
+            made[fmt] = str(quantized), str(dense)
+        return made[fmt]
+
+    return get
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_loaded_weights_equal_the_dequantised_reference(fmt, fp8_folders):
+    quantized, dense = fp8_folders(fmt)
+    config = ModelConfig.from_pretrained(quantized)
+    assert config.quantization.method == ("fp8" if fmt == "fp8_block" else "compressed-tensors")
+    ours = load_model(config, quantized, torch.device("cpu"), torch.float32).state_dict()
+    reference = load_model(ModelConfig.from_pretrained(dense), dense, torch.device("cpu"), torch.float32)
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(ours[name], tensor), name
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_checkpoint_matches_transformers_on_its_dequantisation(fmt, fp8_folders):
+    quantized, dense = fp8_folders(fmt)
+    tokens = list(range(3, 30))
+    with torch.no_grad():
+        ref = hf_model(dense)(torch.tensor([tokens])).logits[0]
+    ours = engine_logits(LLMEngine(quantized, device="cpu", dtype="float32"), tokens, prefill=20)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with LLM(quantized, device="cpu", dtype="float32") as llm:
+        assert llm.generate([PROMPT], greedy)[0].token_ids == hf_greedy(hf_model(dense), PROMPT, 12)
+
+
+@pytest.mark.parametrize("fmt", ["ct_channel", "ct_tensor", "fp8_block"])
+def test_fp8_checkpoint_tp2_equals_tp1(fmt, fp8_folders):
+    """Each rank dequantises its rows (q/k/v, gate/up) or columns (o_proj, down_proj) with
+    the scales of their positions in the whole tensor: 44 MLP rows a rank, blocks of 16."""
+    quantized, dense = fp8_folders(fmt)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        with LLM(quantized, device="cpu", dtype="float32", tp=tp, timeout_s=60) as llm:
+            runs.append(list(llm.generate([PROMPT], greedy)[0].token_ids))
+    assert runs[0] == runs[1] == hf_greedy(hf_model(dense), PROMPT, 12)
+
+
+def test_block_dequantisation_of_a_slice_equals_the_slice_of_the_whole():
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(88, 64, generator=g) * 50).to(torch.float8_e4m3fn)
+    scale = torch.rand(6, 3, generator=g)  # blocks of [16, 24]: the last ones partial
+    whole = dequantize_fp8(weight, scale, (16, 24))
+    expected = weight.float() * scale.repeat_interleave(16, 0)[:88].repeat_interleave(24, 1)[:, :64]
+    assert torch.equal(whole, expected)
+    for index in [
+        (slice(44, 88),),
+        (slice(None), slice(20, 50)),
+        ([slice(0, 10), slice(50, 60)], slice(3, 40)),
+    ]:
+        rows = index[0] if isinstance(index[0], slice) else index[0]
+        part = torch.cat([weight[r] for r in rows]) if isinstance(rows, list) else weight[rows]
+        if len(index) > 1:
+            part = part[:, index[1]]
+        expect = torch.cat([whole[r] for r in rows]) if isinstance(rows, list) else whole[rows]
+        if len(index) > 1:
+            expect = expect[:, index[1]]
+        assert torch.equal(dequantize_fp8(part, scale, (16, 24), (88, 64), index), expect)
+
+
+def _with_quantization(tmp_path, source: str, quantization: dict) -> str:
+    folder = tmp_path / "model"
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def _ct(weights, inputs=None, **top):
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": inputs}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"g": group},
+        **top,
+    }
+
+
+FP8_W = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+REFUSED = {
+    "gptq": ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq'"),
+    "awq": ({"quant_method": "awq"}, "quant_method='awq'"),
+    "int8": (_ct({**FP8_W, "type": "int"}, format="int-quantized"), "format='int-quantized'"),
+    "int8_weights": (_ct({**FP8_W, "type": "int"}), r"config_groups\.g\.weights\.type='int'"),
+    "activations_only": (_ct(None, {**FP8_W, "strategy": "token", "dynamic": True}), r"weights=None"),
+    "group": (_ct({**FP8_W, "strategy": "group", "group_size": 32}), r"weights\.strategy='group'"),
+    "fp4_weights": (_ct({**FP8_W, "num_bits": 4}), r"weights\.num_bits=4"),
+    "fp8_e5m2": ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt='e5m2'"),
+    "fp8_bad_block": ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size=\[128\]"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_unsupported_quantization_is_refused_by_its_field(case, tmp_path, tiny_model_dir):
+    quantization, message = REFUSED[case]
+    folder = _with_quantization(tmp_path, tiny_model_dir("llama"), quantization)
+    with pytest.raises(ModelLoadError, match=message):
+        ModelConfig.from_pretrained(folder)
+
+
+def test_fp8_weight_without_its_scale_is_refused(tmp_path, fp8_folders):
+    quantized, _ = fp8_folders("fp8_block")
+    folder = tmp_path / "noscale"
+    shutil.copytree(quantized, folder)
+    tensors = load_file(f"{folder}/model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight_scale_inv"]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="model.layers.1.mlp.down_proj.weight .*without a weight_scale"):
+        load_model(ModelConfig.from_pretrained(str(folder)), str(folder), torch.device("cpu"), torch.float32)

@@ -1454,8 +1454,7 @@ def test_request_larger_than_the_cache_fails_alone(tiny_model_dir):
         dtype="float32",
         engine_config=EngineConfig(num_blocks=4, max_model_len=64),
     )
-    for holder in (engine, engine.input_processor, engine.output_processor):
-        holder.max_model_len = 512
+    engine.max_model_len = 512
     with pytest.raises(RequestError, match="whole KV cache"):
         engine.add_request(list(range(1, 70)), SamplingParams(max_tokens=2))  # 5 blocks of 16
     engine.add_request(list(range(1, 41)), SamplingParams(max_tokens=60, ignore_eos=True), "big")

@@ -210,3 +210,12 @@ def test_configuration_imports_without_triton(module):
     code = f"import sys, {module}; print('triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_activation_names_are_the_kernels_activations():
+    """config/names.py lists what the config accepts without importing the kernels; the
+    kernels' table is what runs: a name on one side only is refused, or a KeyError later."""
+    from ringserve.config import names
+    from ringserve.kernels import skinny_matmul
+
+    assert set(names.GATED_ACTIVATIONS) == set(skinny_matmul.GATED_ACTIVATIONS)

@@ -202,13 +202,18 @@ def copy_requests(
         def count(s: str) -> int:
             return len(s.split())
 
+    if num_prompts < 1:
+        return []
     lengths = sample_lengths(rng, passage_len, range_ratio, num_prompts)
     if len(units) < lengths.max():
         raise ValueError(f"{path}: {len(units)} tokens, fewer than a passage of {lengths.max()}")
     out = []
     for n in lengths:
         start = int(rng.integers(0, len(units) - n + 1))
-        passage = join(units[start : start + n]).strip()
+        # cut on tokens: a character split at either end decodes as U+FFFD, dropped
+        passage = join(units[start : start + n]).strip("\ufffd").strip()
+        if not passage:
+            raise ValueError(f"{path}: a passage of {n} tokens holds no text; the file needs longer text")
         prompt = f"{COPY_INSTRUCTIONS[int(rng.integers(len(COPY_INSTRUCTIONS)))]}\n\n{passage}"
         out.append(SampleRequest(prompt, count(prompt), count(passage)))
     return out

@@ -38,7 +38,7 @@ from ringserve.engine.logprobs import DeviceLogprobs, token_logprobs
 from ringserve.engine.output_processor import OutputProcessor
 from ringserve.engine.sampler import sample_on_device
 from ringserve.engine.scheduler import ScheduledBatch, Scheduler
-from ringserve.engine.sequence import PENDING_TOKEN, Sequence
+from ringserve.engine.sequence import PENDING_TOKEN, ContextLimit, Sequence
 from ringserve.engine.structured_output import GrammarCompiler, GrammarMasks
 from ringserve.engine.text_bound import max_prompt_chars
 from ringserve.errors import RequestError, RequestTooLargeError
@@ -101,6 +101,19 @@ class LLMEngine:
                 self.executor.close()
             raise
 
+    @property
+    def max_model_len(self) -> int:
+        return self.context.max_model_len
+
+    @max_model_len.setter
+    def max_model_len(self, value: int) -> None:
+        self.context.max_model_len = value
+
+    @property
+    def eos_token_ids(self):
+        """The ids that end a request (unless ignore_eos): the output processor's."""
+        return self.output_processor.eos_token_ids
+
     @classmethod
     def from_options(
         cls, options: EngineOptions, weights: Mapping[str, torch.Tensor] | None = None
@@ -116,7 +129,7 @@ class LLMEngine:
         self.model_config = config = ModelConfig.from_pretrained(self.model_path)
         check_parallel_layout(config, parallel, self.device)  # before any process or weight
         self.dtype = resolve_dtype(options.dtype, config.dtype, self.device)
-        self.max_model_len = ec.max_model_len or config.max_position_embeddings
+        self.context = ContextLimit(ec.max_model_len or config.max_position_embeddings)
         context = config.context_length
         if self.max_model_len > context and not options.allow_long_max_model_len:
             # refused as vLLM refuses it: RoPE past the trained positions gives garbage, not an error
@@ -142,9 +155,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(options.tokenizer or self.model_path)
         # the sampling seeds of unseeded requests, from --seed when given (reproducible runs)
         self.seed_rng = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
-        self.eos_token_ids = eos_token_ids(self.model_path, config, self.tokenizer)
-        self.logits_adjuster = LogitsAdjuster(config.vocab_size, self.device, self.eos_token_ids)
-        self.grammar_compiler = GrammarCompiler(self.tokenizer, config.vocab_size, self.eos_token_ids)
+        eos = eos_token_ids(self.model_path, config, self.tokenizer)
+        self.logits_adjuster = LogitsAdjuster(config.vocab_size, self.device, eos)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, config.vocab_size, eos)
         self.grammar_masks = GrammarMasks(config.vocab_size, self.device)
         self.cp_policy = CPPolicy(self.cp_algo, parallel.cp, config, self.dtype, self.device.type)
         num_blocks = self.executor.num_blocks * parallel.cp  # each CP rank has its own pool
@@ -173,14 +186,14 @@ class LLMEngine:
             self.tokenizer,
             self.model_path,
             chat.read_template(options.chat_template),
-            self.max_model_len,
+            self.context,
             max_prompt_chars(self.tokenizer, self.max_model_len) if self.tokenizer is not None else None,
             config.vocab_size,
             generation_defaults(options.generation_config, self.model_path),
             self.grammar_compiler,
             (self.block_manager.num_blocks, self.block_manager.block_size, self.kv_groups),
         )
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, eos, self.context)
         self._ids = itertools.count()
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits are not)
         self.cp_steps: collections.Counter[str] = collections.Counter()  # steps per ring that ran

@@ -12,6 +12,7 @@ import numbers
 
 from ringserve.engine import chat_template as chat
 from ringserve.engine.request_checks import check_params, check_prompt, check_text
+from ringserve.engine.sequence import ContextLimit
 from ringserve.engine.structured_output import GrammarCompiler
 from ringserve.errors import RequestError
 from ringserve.sampling_params import SamplingParams
@@ -24,7 +25,7 @@ class InputProcessor:
         tokenizer,
         model_path: str,
         chat_template: str | None,
-        max_model_len: int,
+        context: ContextLimit,
         max_prompt_chars: int | None,
         vocab_size: int,
         sampling_defaults: dict,
@@ -37,7 +38,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.chat_template = chat_template
-        self.max_model_len = max_model_len
+        self.context = context
         self.max_prompt_chars = max_prompt_chars
         self.vocab_size = vocab_size
         self.sampling_defaults = sampling_defaults
@@ -100,7 +101,7 @@ class InputProcessor:
         if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
             raise RequestError(
                 f"the prompt is {len(text)} characters long; no text over {self.max_prompt_chars} "
-                f"characters fits this model's context of {self.max_model_len} tokens (max_model_len) "
+                f"characters fits this model's context of {self.context.max_model_len} tokens (max_model_len) "
                 "with this tokenizer"
             )
 
@@ -120,7 +121,7 @@ class InputProcessor:
         """A prompt this engine can serve (request_checks.py); RequestError says why not."""
         check_prompt(
             token_ids,
-            max_model_len=self.max_model_len,
+            max_model_len=self.context.max_model_len,
             vocab_size=self.vocab_size,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
@@ -130,7 +131,7 @@ class InputProcessor:
     def check_params(self, params: SamplingParams) -> None:
         """Sampling parameters this model can serve; RequestError names the field. A grammar
         is compiled here (kept for add_request): call it off an event loop."""
-        check_params(params, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+        check_params(params, max_model_len=self.context.max_model_len, vocab_size=self.vocab_size)
         if params.structured_outputs is not None:
             self.grammar_compiler.check(params.structured_outputs)
         if params.bad_words and self.tokenizer is None:

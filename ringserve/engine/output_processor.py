@@ -10,16 +10,16 @@ the outputs it builds.
 from __future__ import annotations
 
 from ringserve.engine.detokenizer import IncrementalDetokenizer
-from ringserve.engine.sequence import Sequence
+from ringserve.engine.sequence import ContextLimit, Sequence
 from ringserve.errors import RequestError
 from ringserve.outputs import RequestOutput, TokensSoFar
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids, max_model_len: int):
+    def __init__(self, tokenizer, eos_token_ids, context: ContextLimit):
         self.tokenizer = tokenizer  # None: token ids only, no text
         self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
+        self.context = context
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
 
     def add(self, seq: Sequence) -> None:
@@ -49,7 +49,9 @@ class OutputProcessor:
             seq.finish_reason = "length"
 
     def at_length_limit(self, seq: Sequence) -> bool:
-        return len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+        return (
+            len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.context.max_model_len
+        )
 
     def output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         detok = self.detokenizers.get(seq.request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import torch
 
@@ -123,3 +124,11 @@ class Sequence:
             f"Sequence({self.request_id}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, {self.status.value})"
         )
+
+
+@dataclass
+class ContextLimit:
+    """The longest sequence (prompt and output) the engine serves, max_model_len: one object
+    that the engine and its input and output processors share, so they cannot disagree."""
+
+    max_model_len: int

@@ -192,9 +192,20 @@ def test_grammar_masks_match_each_matchers_own_bitmask_as_the_batch_grows(smol_v
     done = compiler.matcher(StructuredOutputsParams(choice=["yes"]))
     done.advance(tokenizer.encode("yes", add_special_tokens=False))
     assert done.done
-    prefixes = ['{"tags": ["a"', '{"tags', "", '{"tags": ["b", "c"], "points": [{"x": 1', "[", '{"tags": []']
-    for g, prefix in zip(grammars, prefixes * 2):
-        g.advance(tokenizer.encode(prefix, add_special_tokens=False)[:6])  # some stop early: an error
+    # each row in its own state (one in error: "[" is not an object)
+    prefixes = [
+        '{"tags":["a"',
+        '{"tags',
+        "",
+        '{"tags":["b","c"],"points":[{"x":1',
+        "[",
+        '{"tags":["a","b"],"points":[',
+        "{",
+        '{"tags":["c"],',
+    ]
+    for g, prefix in zip(grammars, prefixes):
+        g.advance(tokenizer.encode(prefix, add_special_tokens=False))
+    assert grammars[4].error is not None and all(g.error is None for i, g in enumerate(grammars) if i != 4)
     for num_rows, rows in [(3, [0, 2]), (8, [1, 2, 4, 5, 7]), (2, [1])]:
         logits = torch.randn(num_rows, vocab)
         step = [grammars[i] for i in rows]

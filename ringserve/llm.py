@@ -71,7 +71,7 @@ class LLM:
             self.engine.input_processor.check_prompt(ids)
             self.engine.input_processor.check_params(params)
         return [
-            self.engine.add_request(p, params, prompt_token_ids=ids)
+            self.engine.add_request(p, params, prompt_token_ids=ids, checked=True)
             for p, ids, params in zip(prompts, token_ids, sampling_params)
         ]
 

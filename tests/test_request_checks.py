@@ -130,3 +130,17 @@ def test_a_request_failing_inside_a_step_fails_alone(llm, expected):
         or llm.engine.options.enable_prefix_caching
     )
     assert llm.generate([PROMPT], GREEDY)[0].token_ids == expected
+
+
+def test_each_prompt_is_checked_once_on_its_way_in(llm, monkeypatch):
+    """LLM checks every prompt before queuing any; add_request does not check it again (on
+    the engine thread a 1M-token prompt's check costs ~20 ms); a direct add_request does."""
+    inputs = llm.engine.input_processor
+    calls = []
+    check_prompt = inputs.check_prompt
+    monkeypatch.setattr(inputs, "check_prompt", lambda ids: calls.append(len(ids)) or check_prompt(ids))
+    llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=2))
+    assert calls == [3, 2]
+    request_id = llm.engine.add_request([6, 7, 8, 9], SamplingParams(max_tokens=1))
+    llm.engine.abort(request_id)
+    assert calls == [3, 2, 4]

@@ -1085,7 +1085,7 @@ class FakeEngine:
         self.dead: BaseException | None = None  # what check_health raises (a rank died)
         self.input_processor = FakeInputProcessor()
 
-    def add_request(self, prompt, params, request_id, prompt_token_ids=None):
+    def add_request(self, prompt, params, request_id, prompt_token_ids=None, checked=False):
         self.pending.append(request_id)
 
     def has_unfinished(self):

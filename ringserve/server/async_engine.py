@@ -164,14 +164,17 @@ class AsyncEngine:
                 f"(--max-waiting {self.max_waiting}); retry later"
             )
 
-    def submit(self, items: list[tuple[str, list[int], SamplingParams]]) -> RequestStream:
-        """Queue engine requests (request id, prompt token ids, params); outputs come by index."""
+    def submit(
+        self, items: list[tuple[str, list[int], SamplingParams]], checked: bool = False
+    ) -> RequestStream:
+        """Queue engine requests (request id, prompt token ids, params); outputs come by index.
+        checked: the input processor's checks ran on them already (not again on the engine thread)."""
         self.check_available(len(items))
         stream = RequestStream([rid for rid, _, _ in items], unfinished=set(range(len(items))))
         now = time.monotonic()
         for index, (rid, token_ids, params) in enumerate(items):
             self.routes[rid] = _Route(stream, index)
-            self.commands.put(("add", rid, token_ids, params, now))
+            self.commands.put(("add", rid, token_ids, params, now, checked))
         self.num_waiting += len(items)
         return stream
 
@@ -276,9 +279,11 @@ class AsyncEngine:
                     if cmd[0] == "stop":
                         return
                     if cmd[0] == "add":
-                        _, rid, token_ids, params, arrival = cmd
+                        _, rid, token_ids, params, arrival, checked = cmd
                         try:
-                            engine.add_request(token_ids, params, rid, prompt_token_ids=token_ids)
+                            engine.add_request(
+                                token_ids, params, rid, prompt_token_ids=token_ids, checked=checked
+                            )
                         except RequestError as e:
                             self._call(self._fail, rid, e)
                             continue

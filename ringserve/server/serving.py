@@ -275,7 +275,7 @@ class OpenAIServing:
         """items: (request id, token ids, params) per choice, n choices per prompt."""
         async_engine = self.server.async_engine
         try:
-            stream = async_engine.submit(items)
+            stream = async_engine.submit(items, checked=True)  # each prompt and params checked above
         except RequestError as e:  # too many choices for the waiting queue
             raise ApiError(400, str(e), "n") from None
         except RingserveError as e:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ringserve.config import DTYPES, EngineConfig, ParallelConfig
-from ringserve.config.names import ALLREDUCE_BACKENDS, CP_ALGOS
+from ringserve.config.names import ALLREDUCE_BACKENDS, CP_ALGOS, KV_CACHE_DTYPES
 from ringserve.errors import RingserveError
 
 
@@ -126,6 +126,12 @@ class EngineOptions:
         "a burst of arrivals); default: the larger of 16384 and max_num_batched_tokens",
     )
     max_num_seqs: int = _opt(256, "sequences running at once")
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "KV-cache storage: auto (the model's dtype), or fp8 / fp8_e4m3: float8 e4m3 with a scale "
+        "per layer and KV head, twice the tokens in the same memory (vLLM's --kv-cache-dtype)",
+        choices=KV_CACHE_DTYPES,
+    )
     enable_prefix_caching: bool = _opt(
         True, "reuse cached prompt prefixes", cli_negative=("--no-prefix-caching",)
     )
@@ -195,6 +201,7 @@ class EngineOptions:
             )
         _check_choice("allreduce", self.allreduce, ALLREDUCE_BACKENDS)
         _check_choice("cp_algo", self.cp_algo, CP_ALGOS)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if not _is_number(self.timeout_s) or not 0 < self.timeout_s < math.inf:
             raise OptionError("timeout_s", f"must be a positive number of seconds, got {self.timeout_s!r}")
         u = self.gpu_memory_utilization

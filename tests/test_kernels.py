@@ -59,7 +59,7 @@ for dtype, rtol, atol in ((torch.float32, 1e-6, 1e-6), (torch.bfloat16, 3 * 2**-
     v = v.view(tokens, nkv, d)
     k_cache, v_cache = torch.zeros(50, nkv, d).to(dtype), torch.zeros(50, nkv, d).to(dtype)
     slots = torch.tensor([3, 17, 4, 49, 0, 22, 8])
-    q_rot2, k_rot2 = K._rotary_triton(q, k, cos, sin, (v, k_cache, v_cache, slots))
+    q_rot2, k_rot2 = K._rotary_triton(q, k, cos, sin, (v, k_cache, v_cache, slots, None))
     assert torch.equal(q_rot2, q_rot) and torch.equal(k_rot2, k_rot)
     want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     want_k[slots], want_v[slots] = k_rot, v
@@ -87,6 +87,42 @@ K._store_kv_triton(k, v, k_cache, v_cache, slots)
 want_k, want_v = torch.zeros(40, 2, 16), torch.zeros(40, 2, 16)
 want_k[slots], want_v[slots] = k, v
 assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+# An FP8 cache (kernels/kv_quant.py): the store kernel and RoPE + store quantise as the torch
+# form does, with each KV head's scale (heads of different ranges; values past 448 x scale
+# saturate). The interpreter's float32 -> e4m3 drops the carry where a value rounds up to a
+# power of two (127.9 -> 64, not 128); elsewhere it rounds as torch does. (A GPU's is checked
+# by bench/gpu_checks.py.)
+from ringserve.kernels.kv_quant import FP8_DTYPE, quantize_kv
+
+def check_fp8(got, want):
+    assert got.dtype == want.dtype == FP8_DTYPE
+    g, w = got.float(), want.float()
+    carry_lost = (g == w / 2) & (torch.frexp(w).mantissa.abs() == 0.5)
+    assert ((g == w) | carry_lost).all() and (g == w).float().mean() > 0.95
+
+nkv, d = 3, 24
+ranges = torch.tensor([0.05, 1.0, 30.0])[None, :, None]
+scales = (torch.tensor([0.0004, 0.004, 0.05]), torch.tensor([0.0002, 0.003, 0.06]))
+k = torch.randn(6, nkv, d) * ranges
+v = torch.randn(6, nkv, d) * ranges
+k_cache, v_cache = torch.zeros(40, nkv, d, dtype=FP8_DTYPE), torch.zeros(40, nkv, d, dtype=FP8_DTYPE)
+K._store_kv_triton(k, v, k_cache, v_cache, slots, scales)
+check_fp8(k_cache[slots], quantize_kv(k, scales[0]))
+check_fp8(v_cache[slots], quantize_kv(v, scales[1]))
+assert k_cache[slots].float().abs().max() == 448  # saturated, not inf or NaN
+others = torch.ones(40, dtype=torch.bool)
+others[slots] = False
+assert (k_cache[others].float() == 0).all() and (v_cache[others].float() == 0).all()
+q = torch.randn(6, 4, d)
+positions = torch.tensor([0, 5, 17, 300, 4095, 9]).float()
+inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+emb = torch.cat([positions[:, None] * inv_freq] * 2, dim=-1)
+cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+k_cache.zero_(), v_cache.zero_()
+q_rot, k_rot = K._rotary_triton(q, k, cos, sin, (v, k_cache, v_cache, slots, scales))
+check_fp8(k_cache[slots], quantize_kv(K.apply_rotary(k, cos, sin), scales[0]))
+check_fp8(v_cache[slots], quantize_kv(v, scales[1]))
+torch.testing.assert_close(k_rot, K.apply_rotary(k, cos, sin), rtol=1e-6, atol=1e-5)
 # the sampler's Gumbel noise: the fused 32-bit hash equals the int64 tensor-op hash
 from ringserve.engine import sampler as S
 key = torch.tensor([0, 1, 2**32 - 1, 123456789, 987654321], dtype=torch.int64)

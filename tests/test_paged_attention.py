@@ -21,9 +21,13 @@ import torch
 from ringserve.attention import paged as pa
 from ringserve.attention.dense import VarlenBatch, _math_varlen
 from ringserve.config import AttentionWindow
+from ringserve.kernels.kv_quant import quantize_kv
 
-def case(q_lens, seq_lens, nh, nkv, d, splits, bs=4, seed=0, window=AttentionWindow(), one_block=False):
+def case(q_lens, seq_lens, nh, nkv, d, splits, bs=4, seed=0, window=AttentionWindow(), one_block=False, fp8=False):
+    # fp8: the cache stored as float8 e4m3 with a scale per KV head (kernels/kv_quant.py),
+    # read by the kernel and checked against float32 math on the dequantised cache.
     dtype = torch.float32
+    tol = 1e-4 if fp8 else 1e-5  # fp8: values to 10, the scales folded in another order
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // bs) for n in seq_lens) + 3
     k_cache = torch.randn(num_blocks * bs, nkv, d, generator=g).to(dtype)
@@ -55,9 +59,20 @@ def case(q_lens, seq_lens, nh, nkv, d, splits, bs=4, seed=0, window=AttentionWin
     visible_tables = tables.clone()
     for row, n, ql in zip(rows, seq_lens, q_lens):
         tables[row, : window.first_visible(n - ql) // bs] = poison
-    out, lse = pa.paged_attention(q, k_cache, v_cache, tables, batch, bs, d**-0.5, window)
-    ref_out, ref_lse = pa.paged_attention_reference(q, k_cache, v_cache, tables, batch, bs, d**-0.5, window)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    scales = None
+    if fp8:  # heads of different ranges, each with its own scale
+        scales = (torch.rand(nkv, generator=g) * 0.1 + 0.001, torch.rand(nkv, generator=g) * 0.1 + 0.001)
+        head_range = torch.logspace(-1, 1, nkv)[:, None]
+        k_cache = quantize_kv(k_cache * head_range, scales[0])
+        v_cache = quantize_kv(v_cache * head_range, scales[1])
+    out, lse = pa.paged_attention(q, k_cache, v_cache, tables, batch, bs, d**-0.5, window, kv_scales=scales)
+    ref_out, ref_lse = pa.paged_attention_reference(
+        q, k_cache, v_cache, tables, batch, bs, d**-0.5, window, kv_scales=scales
+    )
+    torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+    if fp8:  # the reference's math on the cache dequantised by hand
+        k_cache = k_cache.float() * scales[0][:, None]
+        v_cache = v_cache.float() * scales[1][:, None]
     tables = visible_tables
     # Reference: each context gathered by hand from the block table, explicit float32 math.
     slots, k_pos, q_pos, cu_k = [], [], [], [0]
@@ -69,8 +84,8 @@ def case(q_lens, seq_lens, nh, nkv, d, splits, bs=4, seed=0, window=AttentionWin
     ref = VarlenBatch(i32(cu), i32(cu_k), max(q_lens), max(seq_lens), torch.cat(q_pos), torch.cat(k_pos),
                       True, cu, cu_k)
     ref_out, ref_lse = _math_varlen(q, k_cache[slots], v_cache[slots], ref, d**-0.5, window)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, ref_lse, rtol=tol, atol=tol)
 
 # decode over contexts crossing block and split boundaries, split-KV on and off
 case([1, 1, 1, 1], [1, 5, 64, 131], nh=4, nkv=2, d=16, splits=1)
@@ -93,6 +108,11 @@ case([1, 1, 1, 1], [1, 5, 64, 131], nh=4, nkv=2, d=16, splits=4, one_block=True)
 case([1, 1], [128, 3], nh=8, nkv=1, d=32, splits=2, one_block=True)  # a full step each
 case([1, 1, 1], [5, 64, 131], nh=4, nkv=2, d=16, splits=8, window=sliding, one_block=True)
 case([1, 1, 1], [5, 64, 131], nh=4, nkv=2, d=16, splits=4, window=chunked, one_block=True)
+# an FP8 cache: decode with splits, chunks beside decode rows, a window, one loop step per split
+case([1, 1, 1, 1], [1, 5, 64, 131], nh=4, nkv=2, d=16, splits=8, fp8=True)
+case([7, 1, 20, 1], [30, 9, 20, 2], nh=4, nkv=2, d=16, splits=1, fp8=True)
+case([7, 1, 20, 70], [30, 9, 20, 150], nh=4, nkv=2, d=16, splits=1, window=sliding, fp8=True)
+case([1, 1, 1], [5, 64, 131], nh=4, nkv=4, d=16, splits=4, one_block=True, fp8=True)
 # (bfloat16 is checked on the GPU, bench/gpu_checks.py: the interpreter mangles bf16 stores.)
 print("ok")
 """

@@ -933,6 +933,24 @@ def test_api_key(live):
     assert version["version"] and version["parallel"] == {"tp": 1, "cp": 1, "ep": 1, "dp": 1}
 
 
+def test_cache_config_info_tells_the_kv_capacity(live):
+    """vLLM's vllm:cache_config_info: the KV cache's blocks, tokens and dtype in its labels."""
+    import httpx2 as httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(live.url + "/metrics").text
+    (info,) = [
+        s
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "vllm:cache_config_info"
+    ]
+    blocks = live.engine.block_manager
+    assert info.value == 1 and info.labels["cache_dtype"] == "auto"
+    assert int(info.labels["num_gpu_blocks"]) == blocks.num_blocks
+    assert int(info.labels["num_gpu_tokens"]) == blocks.num_blocks * blocks.block_size
+
+
 def testscrape_metrics(live):
     before = scrape_metrics(live)
     for name in (

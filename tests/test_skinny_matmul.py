@@ -61,6 +61,28 @@ for m, nq, nkv, d, k, bias, plan in (
     q, kk = rotary_store_kv(q, kk, v, cos, sin, *want_caches, slots)
     for a, e in zip((*got, *caches), (q, kk, v, *want_caches)):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+# ... storing to an FP8 cache (kernels/kv_quant.py): k and v divided by their head's scale,
+# in e4m3, as rotary_store_kv's CPU form stores them (the interpreter's e4m3 rounding drops
+# the carry into a power of two, as tests/test_kernels.py says: 127.9 -> 64, not 128).
+from ringserve.kernels.kv_quant import FP8_DTYPE
+for m, nq, nkv, d, k, plan in ((1, 4, 2, 64, 128, (64, 64, 3)), (5, 2, 2, 64, 64, (32, 64, 3))):
+    x = torch.randn(m, k)
+    w = torch.randn((nq + 2 * nkv) * d, k) / k**0.5 * torch.logspace(-1, 1, nq + 2 * nkv).repeat_interleave(d)[:, None]
+    angle = 100 * torch.rand(m, 1, d // 2)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    slots = torch.randperm(40)[:m]
+    scales = (torch.rand(nkv) * 0.05 + 0.001, torch.rand(nkv) * 0.05 + 0.001)
+    caches = [torch.zeros(40, nkv, d, dtype=FP8_DTYPE) for _ in range(2)]
+    want_caches = [c.clone() for c in caches]
+    got = S.skinny_qkv_rope(x, w, None, cos, sin, *caches, slots, plan, kv_scales=scales)
+    q, kk, v = (t.view(m, -1, d) for t in F.linear(x, w).split([nq * d, nkv * d, nkv * d], -1))
+    q, kk = rotary_store_kv(q, kk, v, cos, sin, *want_caches, slots, kv_scales=scales)
+    for a, e in zip(got, (q, kk, v)):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    for a, e in zip(caches, want_caches):
+        a, e = a.float(), e.float()
+        carry_lost = (a == e / 2) & (torch.frexp(e).mantissa.abs() == 0.5)
+        assert ((a == e) | carry_lost).all() and (a == e).float().mean() > 0.95 and e.abs().max() > 100
 # out: float32 logits from float16 x and w (the LM head into a decode graph's static logits)
 # hold the values rounded to float16, as F.linear(...).float() does: each one a float16
 # value, and F.linear's own or the float16 next to it (the float32 sums differ in order).

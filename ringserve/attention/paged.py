@@ -25,6 +25,7 @@ import torch
 
 from ringserve.attention.dense import VarlenBatch, attention_with_lse
 from ringserve.config import FULL_ATTENTION, AttentionWindow, first_visible_block
+from ringserve.kernels.kv_quant import gather_kv
 from ringserve.kernels.pdl import launch_options
 
 try:
@@ -99,28 +100,49 @@ def paged_attention(
     scale: float,
     window: AttentionWindow = FULL_ATTENTION,
     pdl: bool = True,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """(out [T, NH, D], lse [T, NH] float32) of every query over its sequence's cached keys
     that its window lets it see; blocks before the first one a sequence's first query sees
     are never read (a windowed layer may have freed them). pdl: the kernels launched with
-    programmatic dependent launch where the GPU has it (ringserve.kernels.pdl)."""
+    programmatic dependent launch where the GPU has it (ringserve.kernels.pdl). kv_scales:
+    (k_scale, v_scale) [NKV] float32 of an FP8 cache (kernels/kv_quant.py), dequantised as
+    it is read: the keys' scale joins the softmax scale, the values' the output."""
     # Under Triton's CPU interpreter (tests) the kernel runs on the CPU too.
     if triton is not None and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return _paged_triton(
-            q, k_cache, v_cache, block_tables, batch, block_size, scale, window=window, pdl=pdl
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            batch,
+            block_size,
+            scale,
+            window=window,
+            pdl=pdl,
+            kv_scales=kv_scales,
         )
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, batch, block_size, scale, window)
+    return paged_attention_reference(
+        q, k_cache, v_cache, block_tables, batch, block_size, scale, window, kv_scales
+    )
 
 
 def paged_attention_reference(
-    q, k_cache, v_cache, block_tables, batch: PagedBatch, block_size, scale, window=FULL_ATTENTION
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    batch: PagedBatch,
+    block_size,
+    scale,
+    window=FULL_ATTENTION,
+    kv_scales=None,
 ):
-    """Gather each sequence's pages from the first one its queries see (by its block table)
-    and run the dense varlen attention."""
+    """Gather each sequence's pages from the first one its queries see (by its block table),
+    dequantised where the cache is FP8, and run the dense varlen attention."""
     slots, varlen = gather_plan(block_tables, batch, block_size, window, q.device)
-    return attention_with_lse(
-        q, k_cache.index_select(0, slots), v_cache.index_select(0, slots), varlen, scale, window
-    )
+    k, v = gather_kv(k_cache, v_cache, slots, kv_scales, q.dtype)
+    return attention_with_lse(q, k, v, varlen, scale, window)
 
 
 def gather_plan(block_tables, batch: PagedBatch, block_size: int, window: AttentionWindow, device):
@@ -167,6 +189,7 @@ def _paged_triton(
     launch=None,
     window: AttentionWindow = FULL_ATTENTION,
     pdl: bool = True,
+    kv_scales=None,
 ):
     """launch: overrides of the kernel's tile and launch settings (bench/bench_paged.py)."""
     launch = {**LAUNCH, **(launch or {})}
@@ -185,10 +208,13 @@ def _paged_triton(
         part_out, part_lse = out.unsqueeze(0), lse.unsqueeze(0)
     grid = (batch.tile_seq.shape[0], num_kv_heads, splits)
     pdl_launch = launch_options(q, pdl)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (lse, lse)  # read only if KV_SCALED
     _paged_kernel[grid](
         q,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         block_tables,
         batch.seq_rows,
         batch.cu_q,
@@ -226,6 +252,7 @@ def _paged_triton(
         HAS_CHUNK=window.chunk is not None,
         LOCAL=not window.is_full,
         ONE_BLOCK=batch.one_block and launch["block_n"] >= LAUNCH["block_n"],
+        KV_SCALED=kv_scales is not None,
         PDL=bool(pdl_launch),
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
@@ -282,9 +309,11 @@ if triton is not None:
         BLOCK_N: tl.constexpr, IEEE: tl.constexpr, LOCAL: tl.constexpr,
     ):  # fmt: skip
         """Online-softmax update of a tile's rows with keys n0 .. n0 + BLOCK_N - 1 (< end),
-        k and v from _load_keys; LOCAL: row r sees keys from first_pos[r]."""
+        k and v from _load_keys (an FP8 cache's values, unscaled: the caller folds the
+        scales in); LOCAL: row r sees keys from first_pos[r]."""
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
+        k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's dtype is exact
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -323,6 +352,8 @@ if triton is not None:
         q_ptr,
         k_ptr,
         v_ptr,
+        k_scale_ptr,  # KV_SCALED: [NKV] float32, an FP8 cache's scales (kernels/kv_quant.py)
+        v_scale_ptr,
         tables_ptr,
         seq_rows_ptr,
         cu_q_ptr,
@@ -360,6 +391,7 @@ if triton is not None:
         HAS_CHUNK: tl.constexpr,
         LOCAL: tl.constexpr,
         ONE_BLOCK: tl.constexpr,  # every split holds at most BLOCK_N keys (PagedBatch.one_block)
+        KV_SCALED: tl.constexpr = False,  # an FP8 cache: k and v times the KV head's scales
         PDL: tl.constexpr = False,
     ):
         # One program: QUERIES queries of one sequence x the GROUP query heads of one KV
@@ -389,6 +421,8 @@ if triton is not None:
         q_pos = cached + qi  # each row's global position
         d = tl.arange(0, D_PAD)
         d_ok = d < HEAD_DIM
+        if KV_SCALED:  # s = q.(k8 x k_scale) = (q.k8) x k_scale: one scale per program
+            scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
 
         # Keys up to the tile's last query, from the first block its first query sees (a
         # window's earlier blocks are never visited), cut into NUM_SPLITS runs of whole BLOCK_Ns.
@@ -454,6 +488,8 @@ if triton is not None:
 
         seen = l_i > 0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        if KV_SCALED:  # sum p (v8 x v_scale) = (sum p v8) x v_scale
+            out = out * tl.load(v_scale_ptr + kv_head)
         lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         rows_t = (q_start + qi).to(tl.int64)
         o_offs = split * stride_os + rows_t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]

@@ -7,3 +7,6 @@ GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 ALLREDUCE_BACKENDS = ("auto", "torch", "one_shot", "two_shot")
 # --cp-algo: the context-parallel ring, or chosen per step from new against cached tokens
 CP_ALGOS = ("auto", "pass_kv", "pass_q")
+# --kv-cache-dtype (vLLM's names): auto keeps the model's dtype; fp8 / fp8_e4m3 store float8
+# e4m3 with a scale per layer and KV head (kernels/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")

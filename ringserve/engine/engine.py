@@ -23,6 +23,7 @@ from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.dp_scheduler import DataParallelScheduler
 from ringserve.engine.executor import WorkerError, WorkerSpec, limit_host_threads
 from ringserve.engine.input_processor import InputProcessor
+from ringserve.engine.kv_calibration_text import kv_calibration_ids
 from ringserve.engine.launched_step import LaunchedStep
 from ringserve.engine.loading import (
     check_parallel_layout,
@@ -102,6 +103,11 @@ class LLMEngine:
             raise
 
     @property
+    def kv_cache_dtype(self) -> str:
+        """--kv-cache-dtype as given (auto: the model's dtype)."""
+        return self.engine_config.kv_cache_dtype
+
+    @property
     def max_model_len(self) -> int:
         return self.context.max_model_len
 
@@ -139,6 +145,7 @@ class LLMEngine:
                 f"tokens, from {self.model_path}'s config.json); positions past it were never trained. "
                 "To run it anyway, set allow_long_max_model_len (--allow-long-max-model-len)",
             )
+        self.tokenizer = load_tokenizer(options.tokenizer or self.model_path)
         spec = WorkerSpec(
             self.model_path,
             config,
@@ -150,9 +157,12 @@ class LLMEngine:
             options.allreduce,
             options.timeout_s,
         )
+        if ec.kv_cache_dtype != "auto":  # an FP8 cache: its scales measured on this text
+            spec.kv_calibration_ids = kv_calibration_ids(
+                self.tokenizer, config.vocab_size, self.max_model_len
+            )
         self.executor = start_executor(spec, self.device, self.show_progress, weights)
         limit_host_threads(self.device.type)
-        self.tokenizer = load_tokenizer(options.tokenizer or self.model_path)
         # the sampling seeds of unseeded requests, from --seed when given (reproducible runs)
         self.seed_rng = torch.Generator().manual_seed(options.seed) if options.seed is not None else None
         eos = eos_token_ids(self.model_path, config, self.tokenizer)
@@ -203,7 +213,7 @@ class LLMEngine:
         self.steps_scheduled_ahead = 0  # steps launched before the previous one's tokens were read
         logger.info(
             "model %s (%s) on %s in %s, dp=%d tp=%d cp=%d ep=%d; KV cache %d blocks of %d tokens "
-            "(per replica); async scheduling %s",
+            "= %d tokens in %s (per replica); async scheduling %s",
             self.model_path,
             config.architecture,
             self.device,
@@ -214,6 +224,8 @@ class LLMEngine:
             parallel.ep,
             num_blocks,
             ec.block_size,
+            num_blocks * ec.block_size,
+            "fp8 (e4m3)" if ec.kv_cache_dtype != "auto" else self.dtype,
             "on" if self.async_scheduling else "off",
         )
 

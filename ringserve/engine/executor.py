@@ -56,6 +56,8 @@ class WorkerSpec:
     device_type: str
     allreduce: str = "auto"
     timeout_s: float = 60.0
+    # An FP8 KV cache's calibration prompt (worker/kv_calibration.py); None: no FP8 cache
+    kv_calibration_ids: list[int] | None = None
 
     def device(self, local_rank: int) -> torch.device:
         return torch.device(f"cuda:{local_rank}") if self.device_type == "cuda" else torch.device("cpu")
@@ -71,6 +73,7 @@ class WorkerSpec:
             self.allreduce,
             weights=weights,
             show_progress=show_progress,
+            kv_calibration_ids=self.kv_calibration_ids,
         )
 
 

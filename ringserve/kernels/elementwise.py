@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ringserve.kernels.kv_quant import TL_FP8_MAX as FP8_MAX
+from ringserve.kernels.kv_quant import quantize_kv
 from ringserve.kernels.pdl import launch_options
 
 try:
@@ -52,13 +54,14 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots, pdl: bool = True):
+def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots, pdl: bool = True, kv_scales=None):
     """rotary_qk(q, k, cos, sin), and the rotated k with v stored to the cache at slots (as
-    store_kv): on CUDA one launch for the layer's RoPE and KV write. Returns (q, k) rotated."""
+    store_kv, kv_scales too): on CUDA one launch for the layer's RoPE and KV write. Returns
+    (q, k) rotated."""
     if _use_triton(q):
-        return _rotary_triton(q, k, cos, sin, (v, k_cache, v_cache, slots), pdl)
+        return _rotary_triton(q, k, cos, sin, (v, k_cache, v_cache, slots, kv_scales), pdl)
     q, k = rotary_qk(q, k, cos, sin)
-    store_kv(k, v, k_cache, v_cache, slots)
+    store_kv(k, v, k_cache, v_cache, slots, kv_scales)
     return q, k
 
 
@@ -103,11 +106,15 @@ def unit_offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     return (xf * (1.0 + weight.float())).to(x.dtype)
 
 
-def store_kv(k, v, k_cache, v_cache, slots) -> None:
+def store_kv(k, v, k_cache, v_cache, slots, kv_scales=None) -> None:
     """k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] for k, v [T, NKV, D] (each token's
-    heads contiguous; v may be a view into the fused qkv output), caches [S, NKV, D]."""
+    heads contiguous; v may be a view into the fused qkv output), caches [S, NKV, D].
+    kv_scales: (k_scale, v_scale) [NKV] float32 of an FP8 cache, which stores k / k_scale
+    and v / v_scale in e4m3 (kernels/kv_quant.py)."""
     if _use_triton(k):
-        return _store_kv_triton(k, v, k_cache, v_cache, slots)
+        return _store_kv_triton(k, v, k_cache, v_cache, slots, kv_scales)
+    if kv_scales is not None:
+        k, v = quantize_kv(k, kv_scales[0]), quantize_kv(v, kv_scales[1])
     k_cache[slots] = k
     v_cache[slots] = v
 
@@ -197,22 +204,24 @@ def _rotary_triton(q, k, cos, sin, store=None, pdl=True):
     if k.stride(-1) != 1:
         k = k.contiguous()
     cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
+    kv_scales = None
     if store is not None:
-        v, k_cache, v_cache, slots = store
+        v, k_cache, v_cache, slots, kv_scales = store
         if v.stride(2) != 1 or v.stride(1) != head_dim:
             v = v.contiguous()
     else:  # not written: STORE is off
         v, k_cache, v_cache, slots = k, k_out, k_out, cos
+    k_scale, v_scale = kv_scales if kv_scales is not None else (cos, cos)  # read only if QUANT
     half = head_dim // 2
     block_d = triton.next_power_of_2(half)
     block_q, block_k = triton.next_power_of_2(num_q), triton.next_power_of_2(num_k)
     launch = launch_options(q, pdl)
     _rotary_kernel[(tokens,)](
-        q, k, cos, sin, q_out, k_out, v, k_cache, v_cache, slots,
+        q, k, cos, sin, q_out, k_out, v, k_cache, v_cache, slots, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), v.stride(0),
         k_cache.stride(0), v_cache.stride(0), num_q, num_k, half,
-        STORE=store is not None, BLOCK_Q=block_q, BLOCK_K=block_k, BLOCK_D=block_d,
-        BLOCK_V=triton.next_power_of_2(num_k * head_dim), PDL=bool(launch),
+        STORE=store is not None, QUANT=kv_scales is not None, BLOCK_Q=block_q, BLOCK_K=block_k,
+        BLOCK_D=block_d, BLOCK_V=triton.next_power_of_2(2 * block_d), PDL=bool(launch),
         num_warps=_num_warps(max(block_q, block_k) * block_d), **launch,
     )  # fmt: skip
     return q_out, k_out
@@ -233,19 +242,20 @@ def _silu_mul_triton(gate_up):
     return out
 
 
-def _store_kv_triton(k, v, k_cache, v_cache, slots):
+def _store_kv_triton(k, v, k_cache, v_cache, slots, kv_scales=None):
     tokens, heads, head_dim = k.shape
-    row = heads * head_dim
     if tokens == 0:
         return
     if k.stride(2) != 1 or k.stride(1) != head_dim:
         k = k.contiguous()
     if v.stride(2) != 1 or v.stride(1) != head_dim:
         v = v.contiguous()
-    block = triton.next_power_of_2(row)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (k, v)  # read only if QUANT
+    block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
     _store_kv_kernel[(tokens,)](
-        k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0), row,
-        BLOCK=block, num_warps=_num_warps(block),
+        k, v, k_cache, v_cache, slots, k_scale, v_scale, k.stride(0), v.stride(0), k_cache.stride(0),
+        v_cache.stride(0), heads, head_dim, QUANT=kv_scales is not None, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=_num_warps(block_h * block_d),
     )  # fmt: skip
 
 
@@ -265,22 +275,32 @@ if triton is not None:
 
     # slots [G, T]: KV group g's row starts 16-byte aligned only where g * T is even, so no
     # variant is compiled for it (one per parity of a step's token count otherwise).
+    @triton.jit
+    def _to_cache(x, scale_ptr, head, head_ok, cache_ptr, QUANT: tl.constexpr):
+        """x [BLOCK_H, ...] (rows: KV heads) as a cache stores it: as is, or (QUANT) e4m3 of
+        x / its head's scale, saturated (kernels/kv_quant.quantize_kv)."""
+        if QUANT:
+            scale = tl.load(scale_ptr + head, mask=head_ok, other=1.0)
+            x = tl.clamp(x.to(tl.float32) / scale[:, None], -FP8_MAX, FP8_MAX)
+        return x.to(cache_ptr.dtype.element_ty)
+
     @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
     def _store_kv_kernel(
-        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_k, stride_v, stride_kc, stride_vc, row,
-        BLOCK: tl.constexpr,
+        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, k_scale_ptr, v_scale_ptr, stride_k, stride_v,
+        stride_kc, stride_vc, heads, head_dim, QUANT: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         # One program per new token: its K and V rows (all heads) to its cache slot.
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots_ptr + t).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < row
-        tl.store(
-            k_cache_ptr + slot * stride_kc + cols, tl.load(k_ptr + t * stride_k + cols, mask=ok), mask=ok
-        )
-        tl.store(
-            v_cache_ptr + slot * stride_vc + cols, tl.load(v_ptr + t * stride_v + cols, mask=ok), mask=ok
-        )
+        h = tl.arange(0, BLOCK_H)
+        h_ok = h < heads
+        cols = h[:, None] * head_dim + tl.arange(0, BLOCK_D)[None, :]
+        ok = h_ok[:, None] & (tl.arange(0, BLOCK_D) < head_dim)[None, :]
+        k = _to_cache(tl.load(k_ptr + t * stride_k + cols, mask=ok), k_scale_ptr, h, h_ok, k_cache_ptr, QUANT)
+        tl.store(k_cache_ptr + slot * stride_kc + cols, k, mask=ok)
+        v = _to_cache(tl.load(v_ptr + t * stride_v + cols, mask=ok), v_scale_ptr, h, h_ok, v_cache_ptr, QUANT)
+        tl.store(v_cache_ptr + slot * stride_vc + cols, v, mask=ok)
 
     @triton.jit
     def _rms_norm_kernel(
@@ -322,10 +342,12 @@ if triton is not None:
 
     @triton.jit
     def _rotate_heads(
-        src, head_stride, dst, num_heads, half, cos, sin, d, d_ok, dst2, BLOCK_H: tl.constexpr, TO_DST2: tl.constexpr
+        src, head_stride, dst, num_heads, half, cos, sin, d, d_ok, dst2, dst2_scale, BLOCK_H: tl.constexpr,
+        TO_DST2: tl.constexpr, QUANT: tl.constexpr,
     ):  # fmt: skip
-        """One token's heads [H, 2 * half] -> dst contiguous (and dst2 with TO_DST2). HF:
-        x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype."""
+        """One token's heads [H, 2 * half] -> dst contiguous (and dst2 with TO_DST2: a cache
+        slot, in e4m3 of x / dst2_scale[head] with QUANT). HF: x * cos + rotate_half(x) *
+        sin, each product and the sum rounded to x's dtype."""
         h = tl.arange(0, BLOCK_H)
         ok = (h < num_heads)[:, None] & d_ok[None, :]
         src_off = h[:, None] * head_stride + d[None, :]
@@ -341,8 +363,9 @@ if triton is not None:
         tl.store(dst + dst_off, lo.to(dt), mask=ok)
         tl.store(dst + dst_off + half, hi.to(dt), mask=ok)
         if TO_DST2:
-            tl.store(dst2 + dst_off, lo.to(dt), mask=ok)
-            tl.store(dst2 + dst_off + half, hi.to(dt), mask=ok)
+            h_ok = h < num_heads
+            tl.store(dst2 + dst_off, _to_cache(lo.to(dt), dst2_scale, h, h_ok, dst2, QUANT), mask=ok)
+            tl.store(dst2 + dst_off + half, _to_cache(hi.to(dt), dst2_scale, h, h_ok, dst2, QUANT), mask=ok)
 
     @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])  # as _store_kv_kernel's
     def _rotary_kernel(
@@ -356,10 +379,12 @@ if triton is not None:
         k_cache,  # STORE: [S, NKV, D], each slot's heads contiguous
         v_cache,
         slots_ptr,  # STORE: [T] each token's cache slot
+        k_scale_ptr,  # QUANT: [NKV] float32, an FP8 cache's scales (kernels/kv_quant.py)
+        v_scale_ptr,
         q_stride_t, q_stride_h, k_stride_t, k_stride_h, cos_stride_t, sin_stride_t, v_stride_t,
         k_cache_stride, v_cache_stride, num_q, num_k, half,
-        STORE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_V: tl.constexpr, PDL: tl.constexpr = False,
+        STORE: tl.constexpr, QUANT: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False,
     ):  # fmt: skip
         wait_for_previous(PDL)
         t = tl.program_id(0).to(tl.int64)  # one token: all its q and k heads (and its v)
@@ -373,15 +398,17 @@ if triton is not None:
             slot = tl.load(slots_ptr + t).to(tl.int64)
         _rotate_heads(
             q_ptr + t * q_stride_t, q_stride_h, q_out + t * num_q * 2 * half, num_q, half, cos, sin, d, d_ok,
-            q_out, BLOCK_Q, False,
+            q_out, k_scale_ptr, BLOCK_Q, False, False,
         )  # fmt: skip
         _rotate_heads(
             k_ptr + t * k_stride_t, k_stride_h, k_out + t * row, num_k, half, cos, sin, d, d_ok,
-            k_cache + slot * k_cache_stride, BLOCK_K, STORE,
+            k_cache + slot * k_cache_stride, k_scale_ptr, BLOCK_K, STORE, QUANT,
         )  # fmt: skip
-        if STORE:
-            c = tl.arange(0, BLOCK_V)
-            ok = c < row
-            tl.store(
-                v_cache + slot * v_cache_stride + c, tl.load(v_ptr + t * v_stride_t + c, mask=ok), mask=ok
-            )
+        if STORE:  # v [NKV, D] as is, each head's D contiguous
+            h = tl.arange(0, BLOCK_K)
+            h_ok = h < num_k
+            dv = tl.arange(0, BLOCK_V)
+            c = h[:, None] * (2 * half) + dv[None, :]
+            ok = h_ok[:, None] & (dv < 2 * half)[None, :]
+            x = _to_cache(tl.load(v_ptr + t * v_stride_t + c, mask=ok), v_scale_ptr, h, h_ok, v_cache, QUANT)
+            tl.store(v_cache + slot * v_cache_stride + c, x, mask=ok)

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from ringserve.kernels.elementwise import gelu_tanh_mul, silu_mul
+from ringserve.kernels.kv_quant import FP8_DTYPE
+from ringserve.kernels.kv_quant import TL_FP8_MAX as FP8_MAX
 from ringserve.kernels.pdl import launch_options
 
 try:
@@ -84,12 +86,14 @@ def qkv_rope_store(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
     pdl: bool = True,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Attention's q/k/v projection with RoPE and the KV store in its epilogue: (q [T, NH, D],
     k, v [T, NKV, D]) of x [T, K] @ weight^T + bias, weight [(NH + 2 NKV) * D, K] (q heads,
     then k, then v), q and k rotated by HF's RoPE (cos, sin [T, 1, D], in x's dtype) and k, v
     written to the caches [S, NKV, D] at slots [T], rounded where F.linear and
-    kernels.rotary_store_kv round. One kernel instead of the matmul and the RoPE + store
+    kernels.rotary_store_kv round (kv_scales: (k_scale, v_scale) [NKV] float32 of an FP8
+    cache, stored as kernels/kv_quant.py says). One kernel instead of the matmul and the RoPE + store
     kernel after it. Each program reads the weight rows of BLOCK_N column pairs (i, i + D/2)
     of one head, the pairs the rotation mixes: the skinny plan's rows, half of them partners.
     None where the skinny kernel does not run: the caller runs the matmul and
@@ -98,14 +102,22 @@ def qkv_rope_store(
     head_dim = k_cache.shape[2]
     if plan is None or head_dim % plan[0] or weight.shape[0] % head_dim:
         return None
-    if k_cache.dtype != x.dtype or v_cache.dtype != x.dtype or slots.dim() != 1 or slots.stride(0) != 1:
+    cache_dtype = x.dtype if kv_scales is None else FP8_DTYPE
+    if (
+        k_cache.dtype != cache_dtype
+        or v_cache.dtype != cache_dtype
+        or slots.dim() != 1
+        or slots.stride(0) != 1
+    ):
         return None
     if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         return None
-    return skinny_qkv_rope(x, weight, bias, cos, sin, k_cache, v_cache, slots, plan, pdl)
+    return skinny_qkv_rope(x, weight, bias, cos, sin, k_cache, v_cache, slots, plan, pdl, kv_scales)
 
 
-def skinny_qkv_rope(x, weight, bias, cos, sin, k_cache, v_cache, slots, plan, pdl: bool = True):
+def skinny_qkv_rope(
+    x, weight, bias, cos, sin, k_cache, v_cache, slots, plan, pdl: bool = True, kv_scales=None
+):
     """qkv_rope_store's kernel with plan's tile (skinny_plan's for the weight): its BLOCK_N
     rows a program are BLOCK_N / 2 column pairs, BLOCK_N dividing the head_dim."""
     tokens = x.shape[0]
@@ -118,10 +130,12 @@ def skinny_qkv_rope(x, weight, bias, cos, sin, k_cache, v_cache, slots, plan, pd
     cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
     pairs, block_k, stages = plan[0] // 2, plan[1], plan[2]
     launch = launch_options(x, pdl)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (cos, cos)  # read only if QUANT
     _qkv_rope_kernel[((num_q + 2 * num_kv) * (half // pairs),)](
-        x, weight, bias if bias is not None else x, cos, sin, q, k, v, k_cache, v_cache, slots, tokens,
-        x.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), K=x.shape[1], HAS_BIAS=bias is not None, NUM_Q=num_q, NUM_KV=num_kv,
+        x, weight, bias if bias is not None else x, cos, sin, q, k, v, k_cache, v_cache, slots, k_scale, v_scale,
+        tokens, x.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), K=x.shape[1], HAS_BIAS=bias is not None, QUANT=kv_scales is not None,
+        NUM_Q=num_q, NUM_KV=num_kv,
         HEAD_DIM=head_dim, BLOCK_M=16, BLOCK_N=pairs, BLOCK_K=block_k, PDL=bool(launch),
         num_warps=4, num_stages=stages, **launch,
     )  # fmt: skip
@@ -274,9 +288,9 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_kernel(
-        x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, k_cache, v_cache, slots_ptr, M,
-        stride_x, stride_cos, stride_sin, stride_kc, stride_kc_head, stride_vc, stride_vc_head,
-        K: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
+        x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, k_cache, v_cache, slots_ptr, k_scale_ptr,
+        v_scale_ptr, M, stride_x, stride_cos, stride_sin, stride_kc, stride_kc_head, stride_vc, stride_vc_head,
+        K: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PDL: tl.constexpr = False,
     ):  # fmt: skip
@@ -321,7 +335,13 @@ if triton is not None:
             slot = tl.load(slots_ptr + rm, mask=rm < M, other=0).to(tl.int64)[:, None]
             if head < NUM_Q + NUM_KV:
                 cached = k_cache + slot * stride_kc + (head - NUM_Q) * stride_kc_head + rj[None, :]
+                scale_ptr = k_scale_ptr + head - NUM_Q
             else:
                 cached = v_cache + slot * stride_vc + (head - NUM_Q - NUM_KV) * stride_vc_head + rj[None, :]
-            tl.store(cached, x1, mask=m_ok)
-            tl.store(cached + HALF, x2, mask=m_ok)
+                scale_ptr = v_scale_ptr + head - NUM_Q - NUM_KV
+            if QUANT:  # an FP8 cache: e4m3 of x / the head's scale, saturated (kernels/kv_quant.py)
+                scale = tl.load(scale_ptr)
+                x1 = tl.clamp(x1.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+                x2 = tl.clamp(x2.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+            tl.store(cached, x1.to(k_cache.dtype.element_ty), mask=m_ok)
+            tl.store(cached + HALF, x2.to(k_cache.dtype.element_ty), mask=m_ok)

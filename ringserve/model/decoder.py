@@ -471,6 +471,10 @@ class Transformer(nn.Module):
         self.config = config
         self.shard = shard
         self.model = Backbone(config, shard)
+        # A checkpoint's FP8 KV-cache scales (llm-compressor's kv_cache_scheme: each layer's
+        # self_attn.k_scale / v_scale), (layer, 0 for K or 1 for V) -> float32 [] or [NKV]
+        # over every KV head; filled by weights.load_weights, read where the cache is FP8.
+        self.kv_cache_scales: dict[tuple[int, int], torch.Tensor] = {}
         self.lm_head = Linear(config.hidden_size, shard.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -47,6 +47,8 @@ _RENAMES = [
 _ROTATED = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
 # Tensors some checkpoints carry that the model recomputes, or does not run (a vision tower).
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$|^(vision_model|multi_modal_projector)\.")
+# An FP8 KV cache's scales (compressed-tensors' kv_cache_scheme; vLLM's older k_proj.output_scale)
+_KV_CACHE_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
 
 
 def checkpoint_param_name(name: str) -> tuple[str, int | None]:
@@ -161,7 +163,7 @@ def read_index(source, index) -> torch.Tensor:
     reads each piece and concatenates them along it (e.g. one TP rank's gate and up columns
     of a fused [E, H, 2I] tensor)."""
     if index is None:
-        return source[:]
+        return source[...]  # [...] reads a 0-dim tensor too ([:] cannot)
     for dim, entry in enumerate(index):
         if isinstance(entry, list):
             pieces = [source[index[:dim] + (piece,) + index[dim + 1 :]] for piece in entry]
@@ -218,6 +220,10 @@ def load_weights(
         source = pair_fp8(source, quantization.block)
     for name, origin, read in source:
         if _IGNORED.search(name):
+            continue
+        if kv_scale := _KV_CACHE_SCALE.search(name):
+            which = 0 if (kv_scale[2] or kv_scale[3]) == "k" else 1
+            model.kv_cache_scales[int(kv_scale[1]), which] = read(lambda shape: None).float().flatten().cpu()
             continue
         param_name, expert = checkpoint_param_name(name)
         # The plan slices by checkpoint name (q_proj, ...); the rows go into the merged parameter.

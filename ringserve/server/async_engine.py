@@ -262,6 +262,10 @@ class AsyncEngine:
         self.engine = engine
         if self.metrics is not None and getattr(engine, "max_model_len", None):
             self.metrics.set_max_model_len(engine.max_model_len)
+        if self.metrics is not None and getattr(engine, "block_manager", None) is not None:
+            self.metrics.set_cache_config(
+                engine.block_manager.num_blocks, engine.block_manager.block_size, engine.kv_cache_dtype
+            )
         self._call(self._build_done, None)
         timings: dict[str, _Timing] = {}
         try:

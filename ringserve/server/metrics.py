@@ -108,6 +108,19 @@ class Metrics:
             registry=r,
         )
 
+    def set_cache_config(self, num_blocks: int, block_size: int, cache_dtype: str) -> None:
+        """vLLM's `vllm:cache_config_info` (value 1, the cache in its labels): how many blocks of
+        how many tokens each replica's KV cache holds, and in what dtype ("auto": the model's)."""
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ["model_name", "block_size", "cache_dtype", "num_gpu_blocks", "num_gpu_tokens"],
+            registry=self.registry,
+        )
+        info.labels(
+            self.model_name, str(block_size), cache_dtype, str(num_blocks), str(num_blocks * block_size)
+        ).set(1)
+
     def set_max_model_len(self, max_model_len: int) -> None:
         """Make the token-count histograms, bucketed 1, 2, 5, 10, ... up to max_model_len as
         vLLM's; called once the engine is built, before any request."""

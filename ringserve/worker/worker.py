@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ringserve.attention.dense import warm_up_cudnn
 from ringserve.config import EngineConfig, ModelConfig, TPShard
+from ringserve.kernels.kv_quant import FP8_DTYPE, check_fp8_kv_cache, kv_storage_dtype
 from ringserve.model.tp_shard_plan import TensorParallelPlan
 from ringserve.model.weights import load_model
 from ringserve.parallel.allreduce import AllReduce
@@ -21,6 +22,7 @@ from ringserve.parallel.tp import validate_tp
 from ringserve.worker.dp_step import DataParallelStep, run_replica_step
 from ringserve.worker.graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from ringserve.worker.kv_cache import KVCache
+from ringserve.worker.kv_calibration import calibrate_kv_scales, checkpoint_kv_scales
 from ringserve.worker.kv_groups import KVGroups
 from ringserve.worker.runner import ModelRunner
 from ringserve.worker.step_input import StepInput
@@ -47,7 +49,10 @@ class Worker:
         allreduce: str = "auto",
         weights: Mapping[str, torch.Tensor] | None = None,
         show_progress: bool = False,
+        kv_calibration_ids: list[int] | None = None,
     ):
+        """kv_calibration_ids: the prompt an FP8 KV cache's scales are measured on
+        (worker/kv_calibration.py); without it they stay 1.0."""
         self.groups = groups
         self.device = groups.device
         validate_tp(config, groups.tp_size)
@@ -76,14 +81,17 @@ class Worker:
             self.run_experts = LocalExperts(self.all_reduce)
         ec = engine_config
         kv_groups = KVGroups.for_model(config)
-        self.num_blocks = self._num_blocks(config, kv_groups, shard, dtype, ec, max_model_len)
+        kv_dtype = kv_storage_dtype(ec.kv_cache_dtype, dtype)
+        if kv_dtype == FP8_DTYPE:
+            check_fp8_kv_cache(self.device)
+        self.num_blocks = self._num_blocks(config, kv_groups, shard, kv_dtype, ec, max_model_len)
         self.kv_cache = KVCache(
             kv_groups,
             self.num_blocks,
             ec.block_size,
             shard.num_kv_heads,
             config.head_dim,
-            dtype,
+            kv_dtype,
             self.device,
         )
         self.runner = ModelRunner(
@@ -97,6 +105,21 @@ class Worker:
             tp_group=groups.tp_group,
             cp_group=groups.cp_group if groups.cp_size > 1 else None,
         )
+        if self.kv_cache.quantized and self.model.kv_cache_scales:
+            self.kv_cache.scales.copy_(checkpoint_kv_scales(self.model, config.num_hidden_layers))
+            logger.info("FP8 KV cache: the checkpoint's scales (k_scale, v_scale)")
+        elif self.kv_cache.quantized and kv_calibration_ids:
+            start = time.monotonic()
+            scales = calibrate_kv_scales(
+                self.runner, kv_calibration_ids, groups.cp_group if groups.cp_size > 1 else None
+            )
+            logger.info(
+                "FP8 KV cache: scales per layer and KV head from %d calibration tokens in %.2f s "
+                "(k %.3g..%.3g, v %.3g..%.3g)",
+                len(kv_calibration_ids),
+                time.monotonic() - start,
+                *(x for i in (0, 1) for x in (scales[:, i].min().item(), scales[:, i].max().item())),
+            )
         if self.device.type == "cuda" and not ec.enforce_eager:
             self.runner.graphs = self._capture_graphs(ec, groups)
         if self.device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):

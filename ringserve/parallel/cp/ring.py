@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ringserve.attention.dense import VarlenBatch, attention_rows
 from ringserve.attention.paged import PagedBatch, paged_attention
 from ringserve.config import FULL_ATTENTION, AttentionWindow
+from ringserve.kernels.kv_quant import FP8_DTYPE, dequantize_pair
 from ringserve.kernels.lse_merge import merge_partials
 from ringserve.parallel.cp.plan import RingStep
 
@@ -79,21 +80,24 @@ class RingAttention:
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor):
         """Start sending `send` to the next rank and receiving into `recv` from the previous."""
         return [
-            dist.isend(send, self.next_peer, group=self.group),
-            dist.irecv(recv, self.prev_peer, group=self.group),
+            dist.isend(_as_bytes(send), self.next_peer, group=self.group),
+            dist.irecv(_as_bytes(recv), self.prev_peer, group=self.group),
         ]
 
-    def __call__(self, q, k_local, v_local, window: AttentionWindow = FULL_ATTENTION):
+    def __call__(self, q, k_local, v_local, window: AttentionWindow = FULL_ATTENTION, kv_scales=None):
         """q [Tq, NH, D]: this rank's new tokens; k/v_local [Tk, NKV, D]: the keys it holds
-        (all of them; under a window, the rows local_key_rows picks)
+        (all of them; under a window, the rows local_key_rows picks), as its cache stores
+        them: kv_scales (k_scale, v_scale) [NKV] float32 where that is FP8 (kernels/kv_quant.py)
         -> (out [Tq, NH, D], lse [Tq, NH] float32) over every rank's keys."""
         if self.algo == "pass_kv":
-            return self._pass_kv(q, k_local, v_local, window)
+            # FP8 keys travel as they are stored (half bf16's bytes), dequantised per block
+            return self._pass_kv(q, k_local, v_local, window, kv_scales)
+        k_local, v_local = dequantize_pair(k_local, v_local, kv_scales, q.dtype)  # they stay here
         return self._pass_q(q, k_local, v_local, window)
 
-    def _pass_kv(self, q, k_local, v_local, window: AttentionWindow = FULL_ATTENTION):
+    def _pass_kv(self, q, k_local, v_local, window: AttentionWindow = FULL_ATTENTION, kv_scales=None):
         if not window.is_full:
-            return self._local_pass_kv(q, k_local, v_local, window)
+            return self._local_pass_kv(q, k_local, v_local, window, kv_scales)
         longest = max(self.step.num_keys(r) for r in range(self.size))
         current = k_local.new_zeros(longest, 2, *k_local.shape[1:])  # K and V travel together
         current[: k_local.shape[0], 0] = k_local
@@ -105,9 +109,8 @@ class RingAttention:
             src = (self.rank - step) % self.size  # the rank this KV block started on
             pending = self._exchange(current, incoming) if step + 1 < self.size else []
             n = self.step.num_keys(src)
-            out, lse, first = attention_rows(
-                q, current[:n, 0], current[:n, 1], self._batch(self.rank, src), self.scale
-            )
+            k, v = dequantize_pair(current[:n, 0], current[:n, 1], kv_scales, q.dtype)
+            out, lse, first = attention_rows(q, k, v, self._batch(self.rank, src), self.scale)
             outs.append(out)
             lses.append(lse)
             first_rows.append(first)
@@ -126,18 +129,25 @@ class RingAttention:
         this rank's keys for __call__."""
         return self.paged_keys is not None and window.is_full
 
-    def attend_in_place(self, q, k_cache, v_cache, block_table):
+    def attend_in_place(self, q, k_cache, v_cache, block_table, kv_scales=None):
         """pass-Q decode under full attention, this rank's keys read in place: q [Tq, NH, D]
         this rank's new tokens (their KV already stored); k/v_cache [slots, NKV, D]; block_table
-        [rows, max_blocks] int32, this rank's share of the layer's KV group -> (out, lse) as
-        __call__."""
+        [rows, max_blocks] int32, this rank's share of the layer's KV group; kv_scales as
+        __call__'s -> (out, lse) as __call__."""
 
         def attend_local(src, queries):
             batch, seeing = self._paged_batch(src)  # seeing: which of src's queries
             if batch is None:  # no query of src sees a key here
                 return None
             out, lse = paged_attention(
-                queries[seeing], k_cache, v_cache, block_table, batch, self.paged_keys.block_size, self.scale
+                queries[seeing],
+                k_cache,
+                v_cache,
+                block_table,
+                batch,
+                self.paged_keys.block_size,
+                self.scale,
+                kv_scales=kv_scales,
             )
             return out, lse, seeing
 
@@ -233,14 +243,14 @@ class RingAttention:
         requests = []
         if send_ok:
             peer = dist.get_global_rank(self.group, (self.rank + j) % self.size)
-            requests.append(dist.isend(send, peer, group=self.group))
+            requests.append(dist.isend(_as_bytes(send), peer, group=self.group))
             self.transfers += 1
         if recv_ok:
             peer = dist.get_global_rank(self.group, (self.rank - j) % self.size)
-            requests.append(dist.irecv(recv, peer, group=self.group))
+            requests.append(dist.irecv(_as_bytes(recv), peer, group=self.group))
         return requests
 
-    def _local_pass_kv(self, q, k_local, v_local, window: AttentionWindow):
+    def _local_pass_kv(self, q, k_local, v_local, window: AttentionWindow, kv_scales=None):
         work = self.step.pairs_with_work(window)  # [query rank, key rank]
         r, n = self.rank, self.size
         steps = self._steps_with_work(work, q_ahead=False)
@@ -260,7 +270,8 @@ class RingAttention:
             if not work[r, src]:
                 self.skipped_steps += 1
                 return
-            out, lse, first = attention_rows(q, keys[:, 0], keys[:, 1], batch, self.scale)
+            k, v = dequantize_pair(keys[:, 0], keys[:, 1], kv_scales, q.dtype)
+            out, lse, first = attention_rows(q, k, v, batch, self.scale)
             outs.append(out)
             lses.append(lse)
             first_rows.append(first)
@@ -346,3 +357,8 @@ class RingAttention:
         dist.all_to_all_single(home_lses, lses, group=self.group)
         count = q.shape[0]
         return merge_partials([o[:count] for o in home_outs], [lse[:count] for lse in home_lses])
+
+
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """An FP8 block as bytes for the transport (gloo has no float8 type); others as they are."""
+    return x.view(torch.uint8) if x.dtype == FP8_DTYPE else x

@@ -1,0 +1,178 @@
+"""The FP8 KV cache on one GPU (issue 29 item 1): its kernels against the torch forms on the
+device, then a Llama-3-8B-shaped model (random bf16 weights) with the bf16 cache and with
+the FP8 cache in the same run: tokens that fit the same memory, decode ms per step at batch
+1 / 64 after 1K prompts and at batch 1 after long prompts.
+
+  python bench/bench_kv_fp8.py [--long 32768 131008] [--kv-gib 24] [--out $OUT]
+
+JSON to --out/kv_fp8.json, a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+from bench_decode import prompt_batch, timed_ms  # noqa: E402
+from common import machine_info, random_llama3_8b  # noqa: E402
+
+from ringserve.config import EngineConfig  # noqa: E402
+from ringserve.sampling_params import SamplingParams  # noqa: E402
+
+
+def check_kernels(device) -> dict:
+    """The FP8 store kernels (store, RoPE + store, q/k/v matmul + RoPE + store) against
+    kernels/kv_quant.py's torch form, and the paged kernel over an FP8 cache against the
+    gathered reference, bf16 on the device."""
+    import torch.nn.functional as F
+
+    from ringserve.attention import paged as pa
+    from ringserve.kernels import elementwise as K
+    from ringserve.kernels import skinny_matmul as S
+    from ringserve.kernels.kv_quant import FP8_DTYPE, quantize_kv
+
+    torch.manual_seed(0)
+    dt, nq, nkv, d, t = torch.bfloat16, 32, 8, 128, 7
+    scales = (torch.rand(nkv, device=device) * 0.05 + 0.01, torch.rand(nkv, device=device) * 0.02 + 0.005)
+    out = {}
+
+    def same(name, got, want):
+        g, w = got.float(), want.float()
+        exact = (g == w).float().mean().item()
+        step = ((g - w).abs() <= w.abs() * 2**-3 + 2**-9).all().item()
+        out[name] = {"exact_share": exact, "within_one_step": step}
+        print(f"  {name}: {exact:.5f} of values bit-equal to torch's, all within one e4m3 step: {step}")
+
+    k = (torch.randn(t, nkv, d, device=device) * 3).to(dt)
+    v = torch.randn(t, nkv, d, device=device).to(dt)
+    slots = torch.randperm(64, device=device)[:t]
+    caches = [torch.zeros(64, nkv, d, dtype=FP8_DTYPE, device=device) for _ in range(2)]
+    K._store_kv_triton(k, v, *caches, slots, scales)
+    same("store_kv k", caches[0][slots], quantize_kv(k, scales[0]))
+    same("store_kv v", caches[1][slots], quantize_kv(v, scales[1]))
+    q = torch.randn(t, nq, d, device=device).to(dt)
+    angle = torch.rand(t, 1, d // 2, device=device) * 100
+    cos, sin = torch.cat([angle.cos()] * 2, -1).to(dt), torch.cat([angle.sin()] * 2, -1).to(dt)
+    caches = [torch.zeros(64, nkv, d, dtype=FP8_DTYPE, device=device) for _ in range(2)]
+    _, k_rot = K._rotary_triton(q, k, cos, sin, (v, *caches, slots, scales))
+    same("rotary_store_kv k", caches[0][slots], quantize_kv(k_rot, scales[0]))
+    same("rotary_store_kv v", caches[1][slots], quantize_kv(v, scales[1]))
+    x = torch.randn(4, 4096, device=device).to(dt)
+    w = (torch.randn((nq + 2 * nkv) * d, 4096, device=device) / 64).to(dt)
+    caches = [torch.zeros(64, nkv, d, dtype=FP8_DTYPE, device=device) for _ in range(2)]
+    fused = S.qkv_rope_store(x, w, None, cos[:4], sin[:4], *caches, slots[:4], kv_scales=scales)
+    assert fused is not None, "the skinny q/k/v kernel did not take the FP8 cache"
+    qq, kk, vv = (p.view(4, -1, d) for p in F.linear(x, w).split([nq * d, nkv * d, nkv * d], -1))
+    _, kk = K.rotary_qk(qq, kk, cos[:4], sin[:4])
+    same("qkv_rope_store k", caches[0][slots[:4]], quantize_kv(fused[1], scales[0]))
+    same("qkv_rope_store v", caches[1][slots[:4]], quantize_kv(fused[2], scales[1]))
+
+    # paged decode over FP8 pages: 3 sequences, split-KV
+    bs, lens = 16, [1000, 37, 4100]
+    blocks = sum(-(-n // bs) for n in lens)
+    kc = quantize_kv(torch.randn(blocks * bs, nkv, d, device=device) * 3, scales[0])
+    vc = quantize_kv(torch.randn(blocks * bs, nkv, d, device=device), scales[1])
+    tables = torch.zeros(3, 300, dtype=torch.int32, device=device)
+    perm, used = torch.randperm(blocks, device=device), 0
+    for i, n in enumerate(lens):
+        nb = -(-n // bs)
+        tables[i, :nb] = perm[used : used + nb].int()
+        used += nb
+    qd = torch.randn(3, nq, d, device=device).to(dt)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    batch = pa.PagedBatch(
+        i32([0, 1, 2]), i32([0, 1, 2, 3]), i32(lens), i32([0, 1, 2]), i32([0, 0, 0]), 1, 8,
+        [0, 1, 2, 3], lens, [0, 1, 2],
+    )  # fmt: skip
+    got, _ = pa.paged_attention(qd, kc, vc, tables, batch, bs, d**-0.5, kv_scales=scales)
+    want, _ = pa.paged_attention_reference(qd, kc, vc, tables, batch, bs, d**-0.5, kv_scales=scales)
+    err = (got.float() - want.float()).abs().max().item()
+    out["paged_fp8_max_abs_err"] = err
+    print(f"  paged kernel over FP8 pages against the gathered reference: max |diff| {err:.2e}")
+    return out
+
+
+def bench_engine(kv_dtype: str, folder, weights, args, device) -> dict:
+    from ringserve.engine.engine import LLMEngine
+
+    longest = max(args.long, default=1024) + 64
+    config = EngineConfig(
+        max_model_len=longest,
+        max_num_batched_tokens=max(longest, 64 * 1024 + 64),
+        kv_cache_memory=int(args.kv_gib * (1 << 30)),
+        enable_prefix_caching=False,
+        kv_cache_dtype=kv_dtype,
+    )
+    start = time.monotonic()
+    engine = LLMEngine(folder, device=device, dtype=torch.bfloat16, engine_config=config, weights=weights)
+    res = {"startup_s": round(time.monotonic() - start, 1)}
+    res["cache_tokens"] = engine.block_manager.num_blocks * engine.block_manager.block_size
+    print(
+        f"  kv {kv_dtype}: engine in {res['startup_s']} s, {res['cache_tokens']} tokens fit {args.kv_gib} GiB"
+    )
+    seeds = iter(range(1000, 2000))
+
+    def decode_at(batch: int, prompt: int, steps: int = 32) -> float:
+        params = SamplingParams(max_tokens=steps + 12, temperature=0, ignore_eos=True)
+        ids = [
+            engine.add_request(r.tolist(), params) for r in prompt_batch(batch, prompt, next(seeds), 128256)
+        ]
+        for _ in range(8):  # the prefill, then warm-up steps
+            engine.step()
+
+        def run():
+            for _ in range(steps):
+                engine.step()
+
+        ms = timed_ms(run, device) / steps
+        for rid in ids:
+            engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+        print(f"  kv {kv_dtype}: batch {batch} after {prompt}: {ms:.3f} ms/step", flush=True)
+        return ms
+
+    res["decode_ms"] = {}
+    for batch, prompt in [(1, 1024), (64, 1024)] + [(1, n) for n in args.long]:
+        res["decode_ms"][f"b{batch}_{prompt}"] = decode_at(batch, prompt)
+    engine.close()
+    return res
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--long", type=int, nargs="*", default=[32768, 131008])
+    parser.add_argument("--kv-gib", type=float, default=24.0, help="KV-cache memory of each engine")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--skip-kernels", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    data = {"machine": machine_info(), "args": vars(args)}
+    print(data["machine"], flush=True)
+    if not args.skip_kernels:
+        data["kernels"] = check_kernels(device)
+    folder, weights = random_llama3_8b()
+    for kv in ("auto", "fp8"):
+        data[kv] = bench_engine(kv, folder, weights, args, device)
+        torch.cuda.empty_cache()
+        with open(os.path.join(args.out, "kv_fp8.json"), "w") as f:
+            json.dump(data, f, indent=1)
+    print("\n| decode | bf16 KV | FP8 KV | ratio |\n| --- | ---: | ---: | ---: |")
+    for key, ms in data["auto"]["decode_ms"].items():
+        fp8 = data["fp8"]["decode_ms"][key]
+        print(f"| {key} | {ms:.3f} ms | {fp8:.3f} ms | {fp8 / ms:.3f} |")
+    a, f = data["auto"]["cache_tokens"], data["fp8"]["cache_tokens"]
+    print(f"| tokens in {args.kv_gib} GiB | {a} | {f} | {f / a:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ringserve.config import DTYPES, EngineConfig, ParallelConfig
-from ringserve.config.names import ALLREDUCE_BACKENDS, CP_ALGOS, KV_CACHE_DTYPES
+from ringserve.config.names import ALLREDUCE_BACKENDS, CP_ALGOS, KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from ringserve.errors import RingserveError
 
 
@@ -126,6 +126,14 @@ class EngineOptions:
         "a burst of arrivals); default: the larger of 16384 and max_num_batched_tokens",
     )
     max_num_seqs: int = _opt(256, "sequences running at once")
+    quantization: str | None = _opt(
+        None,
+        "quantise the checkpoint's weights as they load (vLLM's -q / --quantization): fp8 stores "
+        "each projection in float8 e4m3 with a scale per output row, activations quantised per "
+        "token (half the weight bytes of bf16; GPUs of compute capability 8.9+, and CPUs)",
+        cli_flags=("--quantization", "-q"),
+        choices=QUANTIZATION_METHODS,
+    )
     kv_cache_dtype: str = _opt(
         "auto",
         "KV-cache storage: auto (the model's dtype), or fp8 / fp8_e4m3: float8 e4m3 with a scale "
@@ -202,6 +210,8 @@ class EngineOptions:
         _check_choice("allreduce", self.allreduce, ALLREDUCE_BACKENDS)
         _check_choice("cp_algo", self.cp_algo, CP_ALGOS)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
         if not _is_number(self.timeout_s) or not 0 < self.timeout_s < math.inf:
             raise OptionError("timeout_s", f"must be a positive number of seconds, got {self.timeout_s!r}")
         u = self.gpu_memory_utilization

@@ -48,6 +48,7 @@ REACHED = {
     "max_num_batched_tokens": lambda e, rec: e.scheduler.max_num_batched_tokens,
     "max_prefill_tokens": lambda e, rec: e.scheduler.max_prefill_tokens,
     "max_num_seqs": lambda e, rec: e.scheduler.max_num_seqs,
+    "quantization": lambda e, rec: rec["spec"].engine_config.quantization,
     "kv_cache_dtype": lambda e, rec: rec["spec"].engine_config.kv_cache_dtype,
     "enable_prefix_caching": lambda e, rec: e.block_manager.enable_prefix_caching,
     "enforce_eager": lambda e, rec: rec["spec"].engine_config.enforce_eager,
@@ -83,6 +84,7 @@ def non_default_values(model_dir: str, tokenizer_dir: str = "tok") -> dict:
         max_num_batched_tokens=99,
         max_prefill_tokens=199,
         max_num_seqs=7,
+        quantization="fp8",
         kv_cache_dtype="fp8",
         enable_prefix_caching=False,
         enforce_eager=True,
@@ -269,6 +271,7 @@ INVALID = {
     "max_num_batched_tokens": [0, -1],
     "max_prefill_tokens": [0, 1],  # 1: below max_num_batched_tokens
     "max_num_seqs": [0, -1],
+    "quantization": ["int4", "", "FP8"],
     "kv_cache_dtype": ["int8", "fp8_e5m2", ""],
     "enable_prefix_caching": ["no"],
     "enforce_eager": [1],

@@ -16,6 +16,7 @@ SCRIPT = r"""
 import torch
 import torch.nn.functional as F
 from ringserve.kernels import skinny_matmul as S
+from ringserve.kernels.kv_quant import FP8_DTYPE
 
 torch.manual_seed(0)
 # rows 1 (batch 1), 5 (a partial tile), 16 (the tile); N not a multiple of BLOCK_N; x a view
@@ -64,7 +65,6 @@ for m, nq, nkv, d, k, bias, plan in (
 # ... storing to an FP8 cache (kernels/kv_quant.py): k and v divided by their head's scale,
 # in e4m3, as rotary_store_kv's CPU form stores them (the interpreter's e4m3 rounding drops
 # the carry into a power of two, as tests/test_kernels.py says: 127.9 -> 64, not 128).
-from ringserve.kernels.kv_quant import FP8_DTYPE
 for m, nq, nkv, d, k, plan in ((1, 4, 2, 64, 128, (64, 64, 3)), (5, 2, 2, 64, 64, (32, 64, 3))):
     x = torch.randn(m, k)
     w = torch.randn((nq + 2 * nkv) * d, k) / k**0.5 * torch.logspace(-1, 1, nq + 2 * nkv).repeat_interleave(d)[:, None]
@@ -83,6 +83,46 @@ for m, nq, nkv, d, k, plan in ((1, 4, 2, 64, 128, (64, 64, 3)), (5, 2, 2, 64, 64
         a, e = a.float(), e.float()
         carry_lost = (a == e / 2) & (torch.frexp(e).mantissa.abs() == 0.5)
         assert ((a == e) | carry_lost).all() and (a == e).float().mean() > 0.95 and e.abs().max() > 100
+# FP8 weights (--quantization fp8): e4m3 rows with a float32 scale each, x quantised per row
+# in the kernel, against fp8_matmul's torch form (exact products, float32 sums in another
+# order); plain, with a bias, gated, and q/k/v with RoPE and the store (rows 1, 5 and 16).
+# x's rows are e4m3 values times a power of two, each with a 448 in it: their quantisation is
+# exact, so the interpreter's float32 -> e4m3 (which drops a rounding's carry into a power of
+# two, tests/test_kernels.py) does not enter; a GPU's rounding is checked by bench/gpu_checks.py.
+from ringserve.kernels.kv_quant import FP8_DTYPE
+
+def exact_rows(m, k, zero_row=False):
+    q = (torch.randn(m, k) * 60).clamp(-448, 448).to(FP8_DTYPE).float()
+    q[:, 3] = 448.0
+    x = q * 2.0 ** torch.randint(-12, 0, (m, 1)).float()
+    if zero_row:
+        x[0] = 0.0
+    return x
+
+for m, n, k, plan in ((1, 64, 256, (32, 128, 3)), (5, 100, 512, (64, 256, 4)), (16, 40, 128, (32, 64, 3))):
+    x = exact_rows(m, k, zero_row=m > 1)
+    w8, w_scale = S.quantize_rows(torch.randn(n, k) * torch.logspace(-3, 1, n)[:, None])
+    w_scale = w_scale[:, 0]
+    b = torch.randn(n)
+    for bias in (None, b):
+        got = S.skinny_linear(x, w8, bias, plan, weight_scale=w_scale)
+        torch.testing.assert_close(got, S.fp8_matmul(x, w8, w_scale, bias), rtol=1e-5, atol=1e-5)
+    gated = S.skinny_linear(x, w8, None, (plan[0] // 2, *plan[1:]), "silu", weight_scale=w_scale)
+    torch.testing.assert_close(gated, S.silu_mul(S.fp8_matmul(x, w8, w_scale)), rtol=1e-4, atol=1e-5)
+for m, nq, nkv, d, k, plan in ((1, 4, 2, 64, 128, (64, 64, 3)), (5, 2, 2, 64, 64, (32, 64, 3))):
+    x = exact_rows(m, k) / 100
+    w8, w_scale = S.quantize_rows(torch.randn((nq + 2 * nkv) * d, k) / k**0.5)
+    w_scale = w_scale[:, 0]
+    angle = 100 * torch.rand(m, 1, d // 2)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    slots = torch.randperm(40)[:m]
+    caches = [torch.zeros(40, nkv, d) for _ in range(2)]
+    want_caches = [c.clone() for c in caches]
+    got = S.skinny_qkv_rope(x, w8, None, cos, sin, *caches, slots, plan, weight_scale=w_scale)
+    q, kk, v = (t.view(m, -1, d) for t in S.fp8_matmul(x, w8, w_scale).split([nq * d, nkv * d, nkv * d], -1))
+    q, kk = rotary_store_kv(q, kk, v, cos, sin, *want_caches, slots)
+    for a, e in zip((*got, *caches), (q, kk, v, *want_caches)):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
 # out: float32 logits from float16 x and w (the LM head into a decode graph's static logits)
 # hold the values rounded to float16, as F.linear(...).float() does: each one a float16
 # value, and F.linear's own or the float16 next to it (the float32 sums differ in order).

@@ -503,6 +503,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs for decode
     kv_cache_dtype: str = "auto"  # names.KV_CACHE_DTYPES: auto (the model's dtype) or fp8
+    quantization: str | None = None  # names.QUANTIZATION_METHODS: the weights quantised at load
 
     def prefill_budget(self) -> int:
         """Tokens a step computes while no sequence decodes: large chunks for a prompt alone

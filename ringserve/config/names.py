@@ -10,3 +10,5 @@ CP_ALGOS = ("auto", "pass_kv", "pass_q")
 # --kv-cache-dtype (vLLM's names): auto keeps the model's dtype; fp8 / fp8_e4m3 store float8
 # e4m3 with a scale per layer and KV head (kernels/kv_quant.py)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# --quantization: online quantisation of a checkpoint's weights (model/quantize.py); None: none
+QUANTIZATION_METHODS = ("fp8",)

@@ -281,7 +281,7 @@ if triton is not None:
         x / its head's scale, saturated (kernels/kv_quant.quantize_kv)."""
         if QUANT:
             scale = tl.load(scale_ptr + head, mask=head_ok, other=1.0)
-            x = tl.clamp(x.to(tl.float32) / scale[:, None], -FP8_MAX, FP8_MAX)
+            x = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -FP8_MAX, FP8_MAX)
         return x.to(cache_ptr.dtype.element_ty)
 
     @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])

@@ -66,13 +66,13 @@ def dequantize_pair(k, v, scales, dtype: torch.dtype):
     return dequantize_kv(k, scales[0], dtype), dequantize_kv(v, scales[1], dtype)
 
 
-def check_fp8_kv_cache(device: torch.device) -> None:
-    """An FP8 cache runs on a CPU (torch's e4m3, the tests) and on GPUs whose Triton converts
-    e4m3 (compute capability 8.9 and later: Ada, Hopper, Blackwell); elsewhere a ValueError
-    that says so."""
+def check_fp8_device(device: torch.device, what: str) -> None:
+    """FP8 (`what`: the option asking for it) runs on a CPU (torch's e4m3, the tests) and on
+    GPUs whose Triton and FP8 matmuls take e4m3 (compute capability 8.9 and later: Ada,
+    Hopper, Blackwell); elsewhere a ValueError that says so."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
         raise ValueError(
-            f"kv_cache_dtype=fp8 needs a GPU of compute capability 8.9 or later (float8 e4m3 "
-            f"conversions); {torch.cuda.get_device_name(device)} is {major}.{minor}: use kv_cache_dtype=auto"
+            f"{what} needs a GPU of compute capability 8.9 or later (float8 e4m3); "
+            f"{torch.cuda.get_device_name(device)} is {major}.{minor}"
         )

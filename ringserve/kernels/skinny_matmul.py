@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ringserve.kernels.elementwise import gelu_tanh_mul, silu_mul
 from ringserve.kernels.kv_quant import FP8_DTYPE
+from ringserve.kernels.kv_quant import FP8_MAX as FP8_MAX_VALUE
 from ringserve.kernels.kv_quant import TL_FP8_MAX as FP8_MAX
 from ringserve.kernels.pdl import launch_options
 
@@ -54,26 +55,31 @@ def linear(
     bias: torch.Tensor | None = None,
     pdl: bool = True,
     out: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias), x [M, K], weight [N, K]; the skinny kernel where it pays
     (pdl: launched with programmatic dependent launch where the GPU has it, ringserve.kernels.pdl).
     out: a contiguous [M, N] tensor (float32 for the LM head's logits) to write the result
-    into, rounded to x's dtype first, as F.linear(...).to(out.dtype) would be."""
+    into, rounded to x's dtype first, as F.linear(...).to(out.dtype) would be.
+    weight_scale: weight is FP8 with this float32 scale per row [N] (fp8_matmul)."""
     plan = skinny_plan(x, weight)
     if plan is None:
-        y = F.linear(x, weight, bias)
+        y = F.linear(x, weight, bias) if weight_scale is None else fp8_matmul(x, weight, weight_scale, bias)
         return y if out is None else out.copy_(y)
-    return skinny_linear(x, weight, bias, plan, pdl=pdl, out=out)
+    return skinny_linear(x, weight, bias, plan, pdl=pdl, out=out, weight_scale=weight_scale)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, activation: str, pdl: bool = True) -> torch.Tensor:
+def gated_linear(
+    x: torch.Tensor, weight: torch.Tensor, activation: str, pdl: bool = True, weight_scale=None
+) -> torch.Tensor:
     """act(x @ gate^T) * (x @ up^T) [M, I] for weight [2I, K] (gate rows, then up rows), as HF's
     `act_fn(gate_proj(x)) * up_proj(x)`: each matmul's and the activation's result rounded to
-    x's dtype before the product."""
+    x's dtype before the product. weight_scale: as linear's."""
     plan = skinny_plan(x, weight, gated=True)
     if plan is None:
-        return GATED_ACTIVATIONS[activation](F.linear(x, weight))
-    return skinny_linear(x, weight, None, plan, activation, pdl=pdl)
+        y = F.linear(x, weight) if weight_scale is None else fp8_matmul(x, weight, weight_scale)
+        return GATED_ACTIVATIONS[activation](y)
+    return skinny_linear(x, weight, None, plan, activation, pdl=pdl, weight_scale=weight_scale)
 
 
 def qkv_rope_store(
@@ -87,6 +93,7 @@ def qkv_rope_store(
     slots: torch.Tensor,
     pdl: bool = True,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Attention's q/k/v projection with RoPE and the KV store in its epilogue: (q [T, NH, D],
     k, v [T, NKV, D]) of x [T, K] @ weight^T + bias, weight [(NH + 2 NKV) * D, K] (q heads,
@@ -112,11 +119,24 @@ def qkv_rope_store(
         return None
     if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         return None
-    return skinny_qkv_rope(x, weight, bias, cos, sin, k_cache, v_cache, slots, plan, pdl, kv_scales)
+    return skinny_qkv_rope(
+        x, weight, bias, cos, sin, k_cache, v_cache, slots, plan, pdl, kv_scales, weight_scale
+    )
 
 
 def skinny_qkv_rope(
-    x, weight, bias, cos, sin, k_cache, v_cache, slots, plan, pdl: bool = True, kv_scales=None
+    x,
+    weight,
+    bias,
+    cos,
+    sin,
+    k_cache,
+    v_cache,
+    slots,
+    plan,
+    pdl: bool = True,
+    kv_scales=None,
+    weight_scale=None,
 ):
     """qkv_rope_store's kernel with plan's tile (skinny_plan's for the weight): its BLOCK_N
     rows a program are BLOCK_N / 2 column pairs, BLOCK_N dividing the head_dim."""
@@ -132,14 +152,46 @@ def skinny_qkv_rope(
     launch = launch_options(x, pdl)
     k_scale, v_scale = kv_scales if kv_scales is not None else (cos, cos)  # read only if QUANT
     _qkv_rope_kernel[((num_q + 2 * num_kv) * (half // pairs),)](
-        x, weight, bias if bias is not None else x, cos, sin, q, k, v, k_cache, v_cache, slots, k_scale, v_scale,
-        tokens, x.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), K=x.shape[1], HAS_BIAS=bias is not None, QUANT=kv_scales is not None,
+        x, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else x, cos, sin,
+        q, k, v, k_cache, v_cache, slots, k_scale, v_scale, tokens, x.stride(0), cos.stride(0), sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), K=x.shape[1],
+        HAS_BIAS=bias is not None, QUANT=kv_scales is not None, W_FP8=weight_scale is not None,
         NUM_Q=num_q, NUM_KV=num_kv,
         HEAD_DIM=head_dim, BLOCK_M=16, BLOCK_N=pairs, BLOCK_K=block_k, PDL=bool(launch),
         num_warps=4, num_stages=stages, **launch,
     )  # fmt: skip
     return q, k, v
+
+
+def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, K], float32 scale [M, 1]) of x [M, K], one scale per row: amax / 448 (1 for a
+    row of zeros), x / scale rounded to nearest even once, in float32. amax [M, 1]: the rows'
+    largest |value| to use instead of x's own (a shard of longer rows)."""
+    if amax is None:
+        amax = x.abs().amax(-1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX_VALUE, torch.ones_like(amax))
+    return (x.float() / scale).clamp_(-FP8_MAX_VALUE, FP8_MAX_VALUE).to(FP8_DTYPE), scale
+
+
+def fp8_matmul(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ (weight x weight_scale)^T + bias in x's dtype, the FP8 weights' matmul (--quantization
+    fp8): weight [N, K] e4m3 with a float32 scale per row [N]; x [M, K] quantised to e4m3 per
+    row (per token, dynamic); the products of the e4m3 values summed in float32 and scaled by
+    both. torch's scaled_mm on a GPU with FP8 tensor cores; the same arithmetic in float32
+    elsewhere (the skinny kernel's too, at decode)."""
+    xq, x_scale = quantize_rows(x)
+    n, k = weight.shape
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9) and n % 16 == 0 and k % 16 == 0:
+        y = torch._scaled_mm(
+            xq, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :], bias=bias, out_dtype=x.dtype
+        )
+        return y
+    y = (xq.float() @ weight.float().t()) * x_scale * weight_scale[None, :]
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
 
 
 def skinny_plan(
@@ -148,7 +200,7 @@ def skinny_plan(
     """(BLOCK_N, BLOCK_K, num_stages, columns a program writes) where the skinny kernel runs
     x @ weight^T, else None. gated: BLOCK_N counts the output's columns, each of which reads
     a gate and an up row."""
-    if triton is None or not x.is_cuda or x.dtype not in _HALF or weight.dtype != x.dtype:
+    if triton is None or not x.is_cuda or x.dtype not in _HALF or weight.dtype not in (x.dtype, FP8_DTYPE):
         return None
     if x.dim() != 2 or x.shape[0] > MAX_ROWS or x.shape[0] == 0 or x.stride(-1) != 1:
         return None
@@ -198,10 +250,12 @@ def skinny_linear(
     activation: str | None = None,
     pdl: bool = True,
     out: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ weight^T + bias; with an activation, act(gate) * up of the two halves of weight.
     plan: skinny_plan's, or (BLOCK_N, BLOCK_K, num_stages) writing BLOCK_N columns a program.
-    out: [M, N] contiguous, of any float dtype, written instead of a new tensor of x's."""
+    out: [M, N] contiguous, of any float dtype, written instead of a new tensor of x's.
+    weight_scale: weight is FP8 (fp8_matmul's format), x quantised per row in the kernel."""
     m, k = x.shape
     n = weight.shape[0] if activation is None else weight.shape[0] // 2
     block_n, block_k, stages = plan[:3]
@@ -211,9 +265,10 @@ def skinny_linear(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     launch = launch_options(x, pdl)
     _skinny_kernel[(triton.cdiv(n, cols),)](
-        x, weight, bias if bias is not None else y, y, m, n, x.stride(0), K=k, HAS_BIAS=bias is not None,
-        ACT=0 if activation is None else _ACTIVATION_CODE[activation],
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, COLS=cols, PDL=bool(launch), num_warps=4,
+        x, weight, weight_scale if weight_scale is not None else y, bias if bias is not None else y, y, m, n,
+        x.stride(0), K=k, HAS_BIAS=bias is not None, ACT=0 if activation is None else _ACTIVATION_CODE[activation],
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, COLS=cols, W_FP8=weight_scale is not None,
+        PDL=bool(launch), num_warps=4,
         num_stages=stages,
         **launch,
     )  # fmt: skip
@@ -225,21 +280,41 @@ if triton is not None:
     @triton.jit
     def stream_weights(
         x_ptr, w_rows, up_rows, stride_x, rm, rk, m_ok, n_ok, K: tl.constexpr, GATED: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_FP8: tl.constexpr = False,
     ):  # fmt: skip
         """(x @ w^T, x @ up^T) [BLOCK_M, BLOCK_N] float32 for one program's weight rows
         (w_rows, and up_rows when GATED: pointers [BLOCK_N, 1]), read once over all of K
-        (K % BLOCK_K == 0) against x's rows padded to BLOCK_M (masked; x stays in L2)."""
+        (K % BLOCK_K == 0) against x's rows padded to BLOCK_M (masked; x stays in L2), and
+        x's per-row scale [BLOCK_M] (1 unless W_FP8).
+
+        W_FP8: w holds e4m3 values (fp8_matmul's format: the caller multiplies by the row
+        scales); x is quantised per row as fp8_matmul's torch form does, each row's amax
+        over K found by a first pass over x, and the products summed exactly in float32
+        (e4m3 values are exact in x's dtype, and so are their products)."""
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+        if W_FP8:
+            amax = tl.zeros((BLOCK_M,), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok, other=0.0)
+                amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
+            x_scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok, other=0.0)
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
+            if W_FP8:
+                dt = x.dtype
+                xq = tl.math.div_rn(x.to(tl.float32), x_scale[:, None])
+                x = tl.clamp(xq, -FP8_MAX, FP8_MAX).to(tl.float8e4nv).to(dt)
+                w = w.to(dt)
             acc += tl.dot(x, tl.trans(w))
             if GATED:
                 w_up = tl.load(up_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
+                if W_FP8:
+                    w_up = w_up.to(x.dtype)
                 acc_up += tl.dot(x, tl.trans(w_up))
-        return acc, acc_up
+        return acc, acc_up, x_scale
 
     @triton.jit
     def gated_activation(gate_acc, up_acc, dt: tl.constexpr, ACT: tl.constexpr):
@@ -255,9 +330,10 @@ if triton is not None:
 
     @triton.jit
     def _skinny_kernel(
-        x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_x, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+        x_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, M, N, stride_x, K: tl.constexpr, HAS_BIAS: tl.constexpr,
         ACT: tl.constexpr,  # 0: y = x @ w^T; 1 silu, 2 gelu (tanh): y = act(x @ gate^T) * x @ up^T
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr,
+        W_FP8: tl.constexpr = False,  # w in e4m3 with a float32 scale per row (fp8_matmul's format)
         PDL: tl.constexpr = False,
     ):  # fmt: skip
         # y[M, N] = x[M, K] @ w[N, K]^T: program p owns columns p * COLS .. + COLS (COLS <=
@@ -273,10 +349,16 @@ if triton is not None:
             n_ok = n_ok & (tl.arange(0, BLOCK_N) < COLS)
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # int64: the LM head passes 2^31 elements
         wait_for_previous(PDL)
-        acc, acc_up = stream_weights(
+        acc, acc_up, x_scale = stream_weights(
             x_ptr, w_rows, w_rows + N * K, stride_x, rm, tl.arange(0, BLOCK_K), m_ok, n_ok, K, ACT != 0,
-            BLOCK_M, BLOCK_N, BLOCK_K,
+            BLOCK_M, BLOCK_N, BLOCK_K, W_FP8,
         )  # fmt: skip
+        if W_FP8:  # the sums of quantised products times both scales
+            acc = acc * x_scale[:, None] * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+            if ACT != 0:
+                acc_up = (
+                    acc_up * x_scale[:, None] * tl.load(w_scale_ptr + N + rn, mask=n_ok, other=0.0)[None, :]
+                )
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         dt = x_ptr.dtype.element_ty
@@ -288,9 +370,10 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_kernel(
-        x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, k_cache, v_cache, slots_ptr, k_scale_ptr,
-        v_scale_ptr, M, stride_x, stride_cos, stride_sin, stride_kc, stride_kc_head, stride_vc, stride_vc_head,
-        K: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
+        x_ptr, w_ptr, w_scale_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, k_cache, v_cache, slots_ptr,
+        k_scale_ptr, v_scale_ptr, M, stride_x, stride_cos, stride_sin, stride_kc, stride_kc_head, stride_vc,
+        stride_vc_head, K: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, W_FP8: tl.constexpr,
+        NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PDL: tl.constexpr = False,
     ):  # fmt: skip
@@ -305,10 +388,13 @@ if triton is not None:
         m_ok = rm[:, None] < M
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
         wait_for_previous(PDL)
-        acc, acc_up = stream_weights(
+        acc, acc_up, x_scale = stream_weights(
             x_ptr, w_rows, w_rows + HALF * K, stride_x, rm, tl.arange(0, BLOCK_K), m_ok, rj < HALF, K, True,
-            BLOCK_M, BLOCK_N, BLOCK_K,
+            BLOCK_M, BLOCK_N, BLOCK_K, W_FP8,
         )  # fmt: skip
+        if W_FP8:  # the sums of quantised products times both scales
+            acc = acc * x_scale[:, None] * tl.load(w_scale_ptr + rows)[None, :]
+            acc_up = acc_up * x_scale[:, None] * tl.load(w_scale_ptr + rows + HALF)[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
             acc_up += tl.load(b_ptr + rows + HALF).to(tl.float32)[None, :]
@@ -341,7 +427,7 @@ if triton is not None:
                 scale_ptr = v_scale_ptr + head - NUM_Q - NUM_KV
             if QUANT:  # an FP8 cache: e4m3 of x / the head's scale, saturated (kernels/kv_quant.py)
                 scale = tl.load(scale_ptr)
-                x1 = tl.clamp(x1.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
-                x2 = tl.clamp(x2.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+                x1 = tl.clamp(tl.math.div_rn(x1.to(tl.float32), scale), -FP8_MAX, FP8_MAX)
+                x2 = tl.clamp(tl.math.div_rn(x2.to(tl.float32), scale), -FP8_MAX, FP8_MAX)
             tl.store(cached, x1.to(k_cache.dtype.element_ty), mask=m_ok)
             tl.store(cached + HALF, x2.to(k_cache.dtype.element_ty), mask=m_ok)

@@ -96,10 +96,16 @@ def make_norm(config: ModelConfig, dim: int) -> RMSNorm:
 
 
 class Linear(nn.Linear):
-    """nn.Linear; at decode batch sizes on a GPU its matmul is ringserve's skinny kernel."""
+    """nn.Linear; at decode batch sizes on a GPU its matmul is ringserve's skinny kernel.
+    Under --quantization fp8 (model/fp8.quantize_linears) its weight is e4m3 with a float32
+    scale per output row in weight_scale [N] (kernels/skinny_matmul.fp8_matmul)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("weight_scale", None)
 
     def forward(self, x, out=None):
-        return linear(x, self.weight, self.bias, out=out)
+        return linear(x, self.weight, self.bias, out=out, weight_scale=self.weight_scale)
 
 
 class MergedLinear(Linear):
@@ -220,7 +226,7 @@ class RowParallelLinear(Linear):
     products are summed, then the bias (whole on every rank) is added once."""
 
     def forward(self, x, ctx: ForwardContext):
-        out = ctx.all_reduce(linear(x, self.weight))
+        out = ctx.all_reduce(linear(x, self.weight, weight_scale=self.weight_scale))
         return out if self.bias is None else out + self.bias
 
 
@@ -298,7 +304,9 @@ class MLP(nn.Module):
 
     def forward(self, x, ctx: ForwardContext):
         # act(gate) * up [T, I] straight out of the gate/up matmul
-        return ctx.all_reduce(self.down_proj(gated_linear(x, self.gate_up_proj.weight, self.hidden_act)))
+        gate_up = self.gate_up_proj
+        act_up = gated_linear(x, gate_up.weight, self.hidden_act, weight_scale=gate_up.weight_scale)
+        return ctx.all_reduce(self.down_proj(act_up))
 
 
 class VocabParallelEmbedding(nn.Module):

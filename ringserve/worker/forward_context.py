@@ -45,7 +45,16 @@ class _StepContext:
         and v already stored in the cache: one kernel where the skinny matmul runs."""
         k_cache, v_cache, slots, scales = self.layer_kv(layer)
         fused = qkv_rope_store(
-            x, qkv_proj.weight, qkv_proj.bias, rope.cos, rope.sin, k_cache, v_cache, slots, kv_scales=scales
+            x,
+            qkv_proj.weight,
+            qkv_proj.bias,
+            rope.cos,
+            rope.sin,
+            k_cache,
+            v_cache,
+            slots,
+            kv_scales=scales,
+            weight_scale=qkv_proj.weight_scale,
         )
         if fused is not None:
             return fused

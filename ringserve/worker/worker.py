@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from ringserve.attention.dense import warm_up_cudnn
 from ringserve.config import EngineConfig, ModelConfig, TPShard
-from ringserve.kernels.kv_quant import FP8_DTYPE, check_fp8_kv_cache, kv_storage_dtype
+from ringserve.kernels.kv_quant import FP8_DTYPE, check_fp8_device, kv_storage_dtype
+from ringserve.model.quantize import quantize_linears
 from ringserve.model.tp_shard_plan import TensorParallelPlan
 from ringserve.model.weights import load_model
 from ringserve.parallel.allreduce import AllReduce
@@ -68,6 +69,10 @@ class Worker:
             tensors=weights,
             shard=shard,
         )
+        if engine_config.quantization == "fp8":
+            check_fp8_device(self.device, "quantization=fp8")
+            count = quantize_linears(self.model, groups.tp_group if groups.tp_size > 1 else None)
+            logger.info("quantization fp8: %d projections in float8 e4m3 with a scale per row", count)
         self.all_reduce = AllReduce(groups.tp_group, allreduce, self.device)
         if groups.ep_size > 1:
             self.run_experts = ExpertParallel(
@@ -83,7 +88,7 @@ class Worker:
         kv_groups = KVGroups.for_model(config)
         kv_dtype = kv_storage_dtype(ec.kv_cache_dtype, dtype)
         if kv_dtype == FP8_DTYPE:
-            check_fp8_kv_cache(self.device)
+            check_fp8_device(self.device, "kv_cache_dtype=fp8")
         self.num_blocks = self._num_blocks(config, kv_groups, shard, kv_dtype, ec, max_model_len)
         self.kv_cache = KVCache(
             kv_groups,

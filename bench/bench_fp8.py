@@ -1,11 +1,12 @@
-"""The FP8 KV cache on one GPU (issue 29 item 1): its kernels against the torch forms on the
-device, then a Llama-3-8B-shaped model (random bf16 weights) with the bf16 cache and with
-the FP8 cache in the same run: tokens that fit the same memory, decode ms per step at batch
-1 / 64 after 1K prompts and at batch 1 after long prompts.
+"""FP8 on one GPU (issue 29): the FP8 kernels against their torch forms on the device, then a
+Llama-3-8B-shaped model (random bf16 weights) four ways in one run: bf16, the FP8 KV cache
+(--kv-cache-dtype fp8), FP8 weights (--quantization fp8), and both. For each: the tokens
+that fit the same KV memory, decode ms per step at batch 1 / 64 after 1K prompts and at
+batch 1 after long prompts, and the time to first token of an 8K prompt.
 
-  python bench/bench_kv_fp8.py [--long 32768 131008] [--kv-gib 24] [--out $OUT]
+  python bench/bench_fp8.py [--long 32768 131008] [--kv-gib 24] [--configs bf16 kv w kvw] [--out $OUT]
 
-JSON to --out/kv_fp8.json, a table last.
+JSON to --out/fp8.json, a table last.
 """
 
 from __future__ import annotations
@@ -74,6 +75,18 @@ def check_kernels(device) -> dict:
     same("qkv_rope_store k", caches[0][slots[:4]], quantize_kv(fused[1], scales[0]))
     same("qkv_rope_store v", caches[1][slots[:4]], quantize_kv(fused[2], scales[1]))
 
+    # FP8 weights: the skinny kernel (x quantised per row inside) against scaled_mm's w8a8
+    for n, k in ((4096, 4096), (28672, 4096), (4096, 14336)):
+        w8, w_scale = S.quantize_rows((torch.randn(n, k, device=device) / k**0.5).to(dt))
+        w_scale = w_scale[:, 0].contiguous()
+        for m in (1, 16):
+            xm = torch.randn(m, k, device=device).to(dt)
+            got = S.linear(xm, w8, weight_scale=w_scale)
+            want = S.fp8_matmul(torch.cat([xm, xm]), w8, w_scale)[:m]  # 2m rows: scaled_mm, not skinny
+            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            out[f"skinny_fp8_{n}x{k}_m{m}_rel_err"] = err
+            print(f"  skinny FP8 {n}x{k} rows {m}: max |diff| / max |y| against scaled_mm {err:.2e}")
+
     # paged decode over FP8 pages: 3 sequences, split-KV
     bs, lens = 16, [1000, 37, 4100]
     blocks = sum(-(-n // bs) for n in lens)
@@ -99,8 +112,18 @@ def check_kernels(device) -> dict:
     return out
 
 
-def bench_engine(kv_dtype: str, folder, weights, args, device) -> dict:
+CONFIGS = {  # name -> (kv_cache_dtype, quantization)
+    "bf16": ("auto", None),
+    "kv": ("fp8", None),
+    "w": ("auto", "fp8"),
+    "kvw": ("fp8", "fp8"),
+}
+
+
+def bench_engine(name: str, folder, weights, args, device) -> dict:
     from ringserve.engine.engine import LLMEngine
+
+    kv_dtype, quantization = CONFIGS[name]
 
     longest = max(args.long, default=1024) + 64
     config = EngineConfig(
@@ -109,6 +132,7 @@ def bench_engine(kv_dtype: str, folder, weights, args, device) -> dict:
         kv_cache_memory=int(args.kv_gib * (1 << 30)),
         enable_prefix_caching=False,
         kv_cache_dtype=kv_dtype,
+        quantization=quantization,
     )
     start = time.monotonic()
     engine = LLMEngine(folder, device=device, dtype=torch.bfloat16, engine_config=config, weights=weights)
@@ -136,9 +160,22 @@ def bench_engine(kv_dtype: str, folder, weights, args, device) -> dict:
             engine.abort(rid)
         while engine.has_unfinished():
             engine.step()
-        print(f"  kv {kv_dtype}: batch {batch} after {prompt}: {ms:.3f} ms/step", flush=True)
+        print(f"  {name}: batch {batch} after {prompt}: {ms:.3f} ms/step", flush=True)
         return ms
 
+    def prefill_ms(length: int) -> float:
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+        def once():
+            engine.add_request(prompt_batch(1, length, next(seeds), 128256)[0].tolist(), params)
+            while engine.has_unfinished():
+                engine.step()
+
+        once()  # warm-up of the shape
+        return min(timed_ms(once, device) for _ in range(3))
+
+    res["prefill_8k_ms"] = prefill_ms(8192)
+    print(f"  {name}: prefill 8K {res['prefill_8k_ms']:.1f} ms", flush=True)
     res["decode_ms"] = {}
     for batch, prompt in [(1, 1024), (64, 1024)] + [(1, n) for n in args.long]:
         res["decode_ms"][f"b{batch}_{prompt}"] = decode_at(batch, prompt)
@@ -154,6 +191,7 @@ def main():
     parser.add_argument("--kv-gib", type=float, default=24.0, help="KV-cache memory of each engine")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     args = parser.parse_args()
     device = torch.device("cuda")
     data = {"machine": machine_info(), "args": vars(args)}
@@ -161,17 +199,35 @@ def main():
     if not args.skip_kernels:
         data["kernels"] = check_kernels(device)
     folder, weights = random_llama3_8b()
-    for kv in ("auto", "fp8"):
-        data[kv] = bench_engine(kv, folder, weights, args, device)
+    for name in args.configs:
+        try:
+            data[name] = bench_engine(name, folder, weights, args, device)
+        except Exception as e:  # one config failing leaves the others' figures
+            import traceback
+
+            traceback.print_exc()
+            data[name] = {"error": repr(e)}
         torch.cuda.empty_cache()
-        with open(os.path.join(args.out, "kv_fp8.json"), "w") as f:
+        with open(os.path.join(args.out, "fp8.json"), "w") as f:
             json.dump(data, f, indent=1)
-    print("\n| decode | bf16 KV | FP8 KV | ratio |\n| --- | ---: | ---: | ---: |")
-    for key, ms in data["auto"]["decode_ms"].items():
-        fp8 = data["fp8"]["decode_ms"][key]
-        print(f"| {key} | {ms:.3f} ms | {fp8:.3f} ms | {fp8 / ms:.3f} |")
-    a, f = data["auto"]["cache_tokens"], data["fp8"]["cache_tokens"]
-    print(f"| tokens in {args.kv_gib} GiB | {a} | {f} | {f / a:.3f} |")
+    done = [n for n in args.configs if "error" not in data[n]]
+    print("\n| | " + " | ".join(done) + " |\n| --- |" + " ---: |" * len(done))
+    base = data[done[0]]
+    for key in base["decode_ms"]:
+        cells = [
+            f"{data[n]['decode_ms'][key]:.3f} ms ({data[n]['decode_ms'][key] / base['decode_ms'][key]:.2f})"
+            for n in done
+        ]
+        print(f"| decode {key} | " + " | ".join(cells) + " |")
+    cells = [
+        f"{data[n]['prefill_8k_ms']:.1f} ms ({base['prefill_8k_ms'] / data[n]['prefill_8k_ms']:.2f}x)"
+        for n in done
+    ]
+    print("| prefill 8K | " + " | ".join(cells) + " |")
+    cells = [
+        f"{data[n]['cache_tokens']} ({data[n]['cache_tokens'] / base['cache_tokens']:.2f})" for n in done
+    ]
+    print(f"| tokens in {args.kv_gib} GiB | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -99,6 +99,11 @@ def exact_rows(m, k, zero_row=False):
         x[0] = 0.0
     return x
 
+# the one-pass row quantisation of a prefill's activations (K not a power of two)
+x = exact_rows(9, 300, zero_row=True)
+got, got_scale = S._quantize_rows_triton(x)
+want, want_scale = S.quantize_rows(x)
+assert torch.equal(got.float(), want.float()) and torch.equal(got_scale, want_scale) and want_scale[0] == 1
 for m, n, k, plan in ((1, 64, 256, (32, 128, 3)), (5, 100, 512, (64, 256, 4)), (16, 40, 128, (32, 64, 3))):
     x = exact_rows(m, k, zero_row=m > 1)
     w8, w_scale = S.quantize_rows(torch.randn(n, k) * torch.logspace(-3, 1, n)[:, None])

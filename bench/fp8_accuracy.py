@@ -1,5 +1,5 @@
-"""Accuracy of an FP8 KV cache on real weights (issue 29): the choices of scale measured on
-the same text, then the engine's own path.
+"""Accuracy of FP8 on real weights (issue 29): the KV cache's choices of scale measured on
+the same text, then the engine's own paths.
 
 1. Formats, by transformers with its cache's K and V quantised and read back (e4m3, as
    kernels/kv_quant.py stores them) under each choice of scale: one of 1.0 per tensor
@@ -9,14 +9,16 @@ the same text, then the engine's own path.
    (engine/kv_calibration_text.py). Perplexity of a fixed English text in windows, its
    change from the unquantised cache, the mean KL divergence of the next-token
    distributions from it, and how often the top token agrees.
-2. The engine: perplexity with --kv-cache-dtype auto and fp8 through its own steps
-   (engine_logits), and greedy continuations of 20 prompts, 32 tokens each: how many equal
-   the unquantised cache's in all 32.
+2. The engine four ways: as is, --kv-cache-dtype fp8, --quantization fp8 (FP8 weights), and
+   both: perplexity through its own steps (engine_logits: half of each window as a prompt,
+   the rest in chunks of 64 read through the cache), KL from the engine as is, and greedy
+   continuations of 20 chat prompts, 32 tokens each: how many equal the unquantised
+   engine's in all 32.
 
-  python bench/kv_fp8_accuracy.py [--model FOLDER] [--text FILE] [--dtype bfloat16]
+  python bench/fp8_accuracy.py [--model FOLDER] [--text FILE] [--dtype bfloat16] [--skip-formats]
 
 Default: the built-in SmolLM2-135M-Instruct, the GPL-3 text in /usr/share/common-licenses.
-JSON to --out/kv_fp8_accuracy.json, tables last.
+JSON to --out/fp8_accuracy.json, tables last.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--skip-formats", action="store_true", help="only the engine's four ways")
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
 
@@ -139,7 +142,6 @@ def main():
     from ringserve import LLM, SamplingParams
     from ringserve.engine.logits_probe import engine_logits
     from ringserve.model.gguf_import import builtin_model_path, converted_folder
-    from ringserve.worker.kv_calibration import HEADROOM
 
     folder = args.model or converted_folder(builtin_model_path())
     dtype = DTYPES[args.dtype]
@@ -152,6 +154,72 @@ def main():
     print(
         f"{folder}: {len(windows)} windows of {args.window} tokens from {args.text}, {args.dtype}", flush=True
     )
+
+    results = {}
+    if not args.skip_formats:
+        results["formats"] = formats(model, tok, windows)
+
+    configs = {"bf16": {}, "FP8 KV": {"kv_cache_dtype": "fp8"}, "FP8 weights": {"quantization": "fp8"}}
+    configs["FP8 weights + KV"] = {**configs["FP8 KV"], **configs["FP8 weights"]}
+    engine = {}
+    half = args.window // 2
+    chunks = [64] * ((args.window - half) // 64)
+    for name, kw in configs.items():
+        with LLM(folder, dtype=args.dtype, max_model_len=args.window + 64, **kw) as llm:
+            logits = [
+                engine_logits(llm.engine, w[: half + sum(chunks)], prefill=half, chunks=chunks)
+                for w in windows
+            ]
+            params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+            greedy = [
+                o.token_ids for o in llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
+            ]
+        engine[name] = {"logits": logits, "greedy": greedy}
+        print(f"  engine {name}: done", flush=True)
+    base = engine["bf16"]
+    scored = [w[: half + sum(chunks)] for w in windows]
+    results["engine"] = {}
+    for name, run in engine.items():
+        m = mean_of([score(x, w, r) for x, w, r in zip(run["logits"], scored, base["logits"])])
+        first_diff = [
+            next((i for i, (x, y) in enumerate(zip(a, f)) if x != y), len(a))
+            for a, f in zip(base["greedy"], run["greedy"])
+        ]
+        results["engine"][name] = {
+            "ppl": math.exp(m["nll"]),
+            "kl": m["kl"],
+            "top1": m["top1"],
+            "greedy_equal_prompts": sum(d == args.new_tokens for d in first_diff),
+            "greedy_first_difference": first_diff,
+        }
+    with open(os.path.join(args.out, "fp8_accuracy.json"), "w") as f:
+        json.dump({"model": folder, "dtype": args.dtype, "text": args.text, "results": results}, f, indent=1)
+
+    if "formats" in results:
+        print(
+            f"\n| KV cache format ({args.dtype} weights, transformers) | perplexity | change | KL | top-1 agreement |"
+        )
+        print("| --- | ---: | ---: | ---: | ---: |")
+        ref = results["formats"]["bf16 KV"]["ppl"]
+        for name, r in results["formats"].items():
+            kl = f"{r['kl']:.2e}" if "kl" in r else ""
+            top1 = f"{100 * r['top1']:.2f}%" if "top1" in r else ""
+            print(f"| {name} | {r['ppl']:.4f} | {100 * (r['ppl'] / ref - 1):+.2f}% | {kl} | {top1} |")
+    print(
+        f"\n| engine ({args.dtype}) | perplexity | change | KL from bf16 | top-1 | greedy {args.new_tokens} equal |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    ref = results["engine"]["bf16"]["ppl"]
+    for name, r in results["engine"].items():
+        print(
+            f"| {name} | {r['ppl']:.4f} | {100 * (r['ppl'] / ref - 1):+.2f}% | {r['kl']:.2e} | "
+            f"{100 * r['top1']:.2f}% | {r['greedy_equal_prompts']} of {len(PROMPTS)} |"
+        )
+
+
+def formats(model, tok, windows) -> dict:
+    """Part 1: each choice of KV scale, by transformers."""
+    from ringserve.worker.kv_calibration import HEADROOM
 
     amax = calibrated_amax(model, tok.encode(CALIBRATION_TEXT, add_special_tokens=True))
     per_tensor = amax.amax(-1, keepdim=True).expand_as(amax)
@@ -170,54 +238,7 @@ def main():
         m = mean_of([score(hf_logits(model, w, scales), w, r) for w, r in zip(windows, refs)])
         results[name] = {"ppl": math.exp(m["nll"]), "kl": m["kl"], "top1": m["top1"]}
         print(f"  {name}: ppl {results[name]['ppl']:.4f}, KL {m['kl']:.2e}", flush=True)
-
-    engine = {}
-    for kv in ("auto", "fp8"):
-        with LLM(folder, dtype=args.dtype, kv_cache_dtype=kv, max_model_len=args.window + 64) as llm:
-            logits = [engine_logits(llm.engine, w, prefill=args.window // 2) for w in windows]
-            params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
-            greedy = [
-                o.token_ids for o in llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
-            ]
-        engine[kv] = {"logits": logits, "greedy": greedy}
-    rows = [score(f, w, a) for f, w, a in zip(engine["fp8"]["logits"], windows, engine["auto"]["logits"])]
-    m = mean_of(rows)
-    auto_ppl = math.exp(
-        mean_of([score(a, w, None) for a, w in zip(engine["auto"]["logits"], windows)])["nll"]
-    )
-    equal = sum(a == f for a, f in zip(engine["auto"]["greedy"], engine["fp8"]["greedy"]))
-    first_diff = [
-        next((i for i, (x, y) in enumerate(zip(a, f)) if x != y), len(a))
-        for a, f in zip(engine["auto"]["greedy"], engine["fp8"]["greedy"])
-    ]
-    results["engine"] = {
-        "ppl_auto": auto_ppl,
-        "ppl_fp8": math.exp(m["nll"]),
-        "kl": m["kl"],
-        "top1": m["top1"],
-        "greedy_equal_prompts": equal,
-        "greedy_first_difference": first_diff,
-    }
-    with open(os.path.join(args.out, "kv_fp8_accuracy.json"), "w") as f:
-        json.dump({"model": folder, "dtype": args.dtype, "text": args.text, "results": results}, f, indent=1)
-
-    print(f"\n| KV cache ({args.dtype} weights) | perplexity | change | KL from bf16 KV | top-1 agreement |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    ref_ppl = results["bf16 KV"]["ppl"]
-    for name, r in results.items():
-        if name == "engine":
-            continue
-        change = f"{100 * (r['ppl'] / ref_ppl - 1):+.2f}%"
-        kl = f"{r['kl']:.2e}" if "kl" in r else ""
-        top1 = f"{100 * r['top1']:.2f}%" if "top1" in r else ""
-        print(f"| {name} | {r['ppl']:.4f} | {change} | {kl} | {top1} |")
-    e = results["engine"]
-    print(
-        f"\nengine: perplexity {e['ppl_auto']:.4f} (auto) -> {e['ppl_fp8']:.4f} (fp8), "
-        f"{100 * (e['ppl_fp8'] / e['ppl_auto'] - 1):+.2f}%; KL {e['kl']:.2e}; top-1 {100 * e['top1']:.2f}%; "
-        f"greedy {args.new_tokens} tokens equal on {equal} of {len(PROMPTS)} prompts "
-        f"(first difference at {first_diff})"
-    )
+    return results
 
 
 if __name__ == "__main__":

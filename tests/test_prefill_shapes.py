@@ -196,10 +196,32 @@ def test_paged_kernel_compiles_one_variant_whatever_the_batch(arch, tiny_model_d
 
             return record
 
-    def spy(q, k_cache, v_cache, block_tables, batch, block_size, scale, window=pa.FULL_ATTENTION, pdl=True):
-        pa._paged_triton(q, k_cache, v_cache, block_tables, batch, block_size, scale, window=window, pdl=pdl)
+    def spy(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        batch,
+        block_size,
+        scale,
+        window=pa.FULL_ATTENTION,
+        pdl=True,
+        kv_scales=None,
+    ):
+        pa._paged_triton(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            batch,
+            block_size,
+            scale,
+            window=window,
+            pdl=pdl,
+            kv_scales=kv_scales,
+        )
         return pa.paged_attention_reference(
-            q, k_cache, v_cache, block_tables, batch, block_size, scale, window
+            q, k_cache, v_cache, block_tables, batch, block_size, scale, window, kv_scales
         )
 
     monkeypatch.setattr(pa, "_paged_kernel", Launch())

@@ -16,7 +16,7 @@ from ringserve.kernels.kv_quant import FP8_DTYPE, FP8_MAX, dequantize_kv, quanti
 from ringserve.model.tiny_models import hf_model
 from ringserve.options import EngineOptions, OptionError
 
-from helpers import prompts_of_lengths
+from helpers import prompts_of_lengths, run_requests, scored
 
 
 def _e4m3_grid() -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,3 +224,29 @@ def test_a_checkpoints_kv_scales_are_used(tiny_model_dir, tmp_path):
         del partial["model.layers.1.self_attn.v_scale"]
         folder = _with_kv_scales(tiny_model_dir("llama"), str(tmp_path / "partial"), partial)
         LLM(folder, device="cpu", dtype="float32", kv_cache_dtype="fp8")
+
+
+def test_prefix_hits_and_preemption_read_the_same_fp8_blocks(tiny_model_dir):
+    """The scales are fixed, so a block is read the same by the step that wrote it, by a later
+    request that finds it in the prefix cache, and after its sequence was preempted and
+    recomputed: each request alone, then again (prefix hits), then all together in a cache
+    too small for them (preemption) give the same tokens and log-probabilities."""
+    folder = tiny_model_dir("llama")
+    prompts = prompts_of_lengths([40, 35, 30, 45, 20, 38], seed=2)
+    common = dict(device="cpu", dtype="float32", block_size=8, kv_cache_dtype="fp8", max_model_len=128)
+    with LLM(folder, **common) as llm:
+        alone = [run_requests(llm.engine, [p], scored(16))[0] for p in prompts]
+        ids = [llm.engine.add_request(p, scored(1)) for p in prompts]
+        hits = {}
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                hits[out.request_id] = out.num_cached_tokens
+        assert all(hits[i] > 0 for i in ids)
+        again = [run_requests(llm.engine, [p], scored(16))[0] for p in prompts]
+    with LLM(folder, num_blocks=20, **common) as llm:
+        together = run_requests(llm.engine, prompts, scored(16))
+        assert llm.engine.num_preemptions > 0
+    for a, b, c in zip(alone, again, together):
+        assert a[0] == b[0] == c[0]
+        torch.testing.assert_close(b[1], a[1], rtol=1e-5, atol=1e-5, equal_nan=True)
+        torch.testing.assert_close(c[1], a[1], rtol=1e-5, atol=1e-5, equal_nan=True)

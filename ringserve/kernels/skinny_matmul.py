@@ -453,9 +453,15 @@ if triton is not None:
             else:
                 cached = v_cache + slot * stride_vc + (head - NUM_Q - NUM_KV) * stride_vc_head + rj[None, :]
                 scale_ptr = v_scale_ptr + head - NUM_Q - NUM_KV
+            # as the cache stores them; each branch one dtype (head is known only at run time)
+            c1, c2 = x1.to(k_cache.dtype.element_ty), x2.to(k_cache.dtype.element_ty)
             if QUANT:  # an FP8 cache: e4m3 of x / the head's scale, saturated (kernels/kv_quant.py)
                 scale = tl.load(scale_ptr)
-                x1 = tl.clamp(tl.math.div_rn(x1.to(tl.float32), scale), -FP8_MAX, FP8_MAX)
-                x2 = tl.clamp(tl.math.div_rn(x2.to(tl.float32), scale), -FP8_MAX, FP8_MAX)
-            tl.store(cached, x1.to(k_cache.dtype.element_ty), mask=m_ok)
-            tl.store(cached + HALF, x2.to(k_cache.dtype.element_ty), mask=m_ok)
+                c1 = tl.clamp(tl.math.div_rn(x1.to(tl.float32), scale), -FP8_MAX, FP8_MAX).to(
+                    k_cache.dtype.element_ty
+                )
+                c2 = tl.clamp(tl.math.div_rn(x2.to(tl.float32), scale), -FP8_MAX, FP8_MAX).to(
+                    k_cache.dtype.element_ty
+                )
+            tl.store(cached, c1, mask=m_ok)
+            tl.store(cached + HALF, c2, mask=m_ok)

@@ -125,7 +125,7 @@ def bench_engine(name: str, folder, weights, args, device) -> dict:
 
     kv_dtype, quantization = CONFIGS[name]
 
-    longest = max(args.long, default=1024) + 64
+    longest = max([*args.long, 8192]) + 64
     config = EngineConfig(
         max_model_len=longest,
         max_num_batched_tokens=max(longest, 64 * 1024 + 64),

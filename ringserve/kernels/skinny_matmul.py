@@ -149,10 +149,13 @@ def skinny_qkv_rope(
     v = torch.empty(tokens, num_kv, head_dim, dtype=x.dtype, device=x.device)
     cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
     pairs, block_k, stages = plan[0] // 2, plan[1], plan[2]
+    x_scale = cos  # read only if W_FP8
+    if weight_scale is not None:  # x's rows in e4m3 once, before the matmul's programs read them
+        x, x_scale = quantize_rows(x, pdl=pdl)
     launch = launch_options(x, pdl)
     k_scale, v_scale = kv_scales if kv_scales is not None else (cos, cos)  # read only if QUANT
     _qkv_rope_kernel[((num_q + 2 * num_kv) * (half // pairs),)](
-        x, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else x, cos, sin,
+        x, x_scale, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else x, cos, sin,
         q, k, v, k_cache, v_cache, slots, k_scale, v_scale, tokens, x.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), K=x.shape[1],
         HAS_BIAS=bias is not None, QUANT=kv_scales is not None, W_FP8=weight_scale is not None,
@@ -163,29 +166,34 @@ def skinny_qkv_rope(
     return q, k, v
 
 
-def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(
+    x: torch.Tensor, amax: torch.Tensor | None = None, pdl: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [M, K], float32 scale [M, 1]) of x [M, K], one scale per row: amax / 448 (1 for a
     row of zeros), x / scale rounded to nearest even once, in float32. amax [M, 1]: the rows'
     largest |value| to use instead of x's own (a shard of longer rows)."""
     if amax is None and triton is not None and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
-        return _quantize_rows_triton(x)
+        return _quantize_rows_triton(x, pdl)
     if amax is None:
         amax = x.abs().amax(-1, keepdim=True).float()
     scale = torch.where(amax > 0, amax / FP8_MAX_VALUE, torch.ones_like(amax))
     return (x.float() / scale).clamp_(-FP8_MAX_VALUE, FP8_MAX_VALUE).to(FP8_DTYPE), scale
 
 
-def _quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_rows_triton(x: torch.Tensor, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows in one pass on the GPU: a program per row reads it once (torch's form
-    makes five passes over a prefill's activations, which cost more than FP8's matmul saves)."""
+    makes five passes over a prefill's activations, which cost more than FP8's matmul saves;
+    at decode, once for the few rows rather than in each program of the matmul after it)."""
     m, k = x.shape
     out = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
         block = triton.next_power_of_2(k)
+        launch = launch_options(x, pdl)
         _quantize_rows_kernel[(m,)](
-            x, out, scale, x.stride(0), k, BLOCK=block, num_warps=min(16, max(4, block // 1024))
-        )
+            x, out, scale, x.stride(0), k, BLOCK=block, PDL=bool(launch), num_warps=min(16, max(4, block // 1024)),
+            **launch,
+        )  # fmt: skip
     return out, scale
 
 
@@ -271,7 +279,7 @@ def skinny_linear(
     """x @ weight^T + bias; with an activation, act(gate) * up of the two halves of weight.
     plan: skinny_plan's, or (BLOCK_N, BLOCK_K, num_stages) writing BLOCK_N columns a program.
     out: [M, N] contiguous, of any float dtype, written instead of a new tensor of x's.
-    weight_scale: weight is FP8 (fp8_matmul's format), x quantised per row in the kernel."""
+    weight_scale: weight is FP8 (fp8_matmul's format); x's rows are quantised first, once."""
     m, k = x.shape
     n = weight.shape[0] if activation is None else weight.shape[0] // 2
     block_n, block_k, stages = plan[:3]
@@ -279,10 +287,13 @@ def skinny_linear(
     if out is not None and (out.shape != (m, n) or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous [{m}, {n}] tensor, not {tuple(out.shape)}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    x_scale = y  # read only if W_FP8
+    if weight_scale is not None:  # x's rows in e4m3 once, before the matmul's programs read them
+        x, x_scale = quantize_rows(x, pdl=pdl)
     launch = launch_options(x, pdl)
     _skinny_kernel[(triton.cdiv(n, cols),)](
-        x, weight, weight_scale if weight_scale is not None else y, bias if bias is not None else y, y, m, n,
-        x.stride(0), K=k, HAS_BIAS=bias is not None, ACT=0 if activation is None else _ACTIVATION_CODE[activation],
+        x, x_scale, weight, weight_scale if weight_scale is not None else y, bias if bias is not None else y, y,
+        m, n, x.stride(0), K=k, HAS_BIAS=bias is not None, ACT=0 if activation is None else _ACTIVATION_CODE[activation],
         BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, COLS=cols, W_FP8=weight_scale is not None,
         PDL=bool(launch), num_warps=4,
         num_stages=stages,
@@ -297,43 +308,35 @@ if triton is not None:
     def stream_weights(
         x_ptr, w_rows, up_rows, stride_x, rm, rk, m_ok, n_ok, K: tl.constexpr, GATED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_FP8: tl.constexpr = False,
+        DT: tl.constexpr = None,
     ):  # fmt: skip
         """(x @ w^T, x @ up^T) [BLOCK_M, BLOCK_N] float32 for one program's weight rows
         (w_rows, and up_rows when GATED: pointers [BLOCK_N, 1]), read once over all of K
-        (K % BLOCK_K == 0) against x's rows padded to BLOCK_M (masked; x stays in L2), and
-        x's per-row scale [BLOCK_M] (1 unless W_FP8).
+        (K % BLOCK_K == 0) against x's rows padded to BLOCK_M (masked; x stays in L2).
 
-        W_FP8: w holds e4m3 values (fp8_matmul's format: the caller multiplies by the row
-        scales); x is quantised per row as fp8_matmul's torch form does, each row's amax
-        over K found by a first pass over x, and the products summed exactly in float32
-        (e4m3 values are exact in x's dtype, and so are their products)."""
+        W_FP8: x and w hold e4m3 values (quantize_rows' and fp8_matmul's formats: the caller
+        multiplies by both scales), converted to DT (the activations' dtype) exactly, so the
+        products are exact and their sums float32."""
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        x_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
-        if W_FP8:
-            amax = tl.zeros((BLOCK_M,), tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok, other=0.0)
-                amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
-            x_scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok, other=0.0)
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
             if W_FP8:
-                dt = x.dtype
-                xq = tl.math.div_rn(x.to(tl.float32), x_scale[:, None])
-                x = tl.clamp(xq, -FP8_MAX, FP8_MAX).to(tl.float8e4nv).to(dt)
-                w = w.to(dt)
+                x, w = x.to(DT), w.to(DT)
             acc += tl.dot(x, tl.trans(w))
             if GATED:
                 w_up = tl.load(up_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
                 if W_FP8:
-                    w_up = w_up.to(x.dtype)
+                    w_up = w_up.to(DT)
                 acc_up += tl.dot(x, tl.trans(w_up))
-        return acc, acc_up, x_scale
+        return acc, acc_up
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, stride_x, K, BLOCK: tl.constexpr):
+    def _quantize_rows_kernel(
+        x_ptr, out_ptr, scale_ptr, stride_x, K, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+    ):
+        wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < K
@@ -358,10 +361,10 @@ if triton is not None:
 
     @triton.jit
     def _skinny_kernel(
-        x_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, M, N, stride_x, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, M, N, stride_x, K: tl.constexpr, HAS_BIAS: tl.constexpr,
         ACT: tl.constexpr,  # 0: y = x @ w^T; 1 silu, 2 gelu (tanh): y = act(x @ gate^T) * x @ up^T
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr,
-        W_FP8: tl.constexpr = False,  # w in e4m3 with a float32 scale per row (fp8_matmul's format)
+        W_FP8: tl.constexpr = False,  # x and w in e4m3, a float32 scale per row of each (fp8_matmul's format)
         PDL: tl.constexpr = False,
     ):  # fmt: skip
         # y[M, N] = x[M, K] @ w[N, K]^T: program p owns columns p * COLS .. + COLS (COLS <=
@@ -377,11 +380,15 @@ if triton is not None:
             n_ok = n_ok & (tl.arange(0, BLOCK_N) < COLS)
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # int64: the LM head passes 2^31 elements
         wait_for_previous(PDL)
-        acc, acc_up, x_scale = stream_weights(
+        dt = x_ptr.dtype.element_ty
+        if W_FP8:  # x holds e4m3: the activations' dtype is y's
+            dt = y_ptr.dtype.element_ty
+        acc, acc_up = stream_weights(
             x_ptr, w_rows, w_rows + N * K, stride_x, rm, tl.arange(0, BLOCK_K), m_ok, n_ok, K, ACT != 0,
-            BLOCK_M, BLOCK_N, BLOCK_K, W_FP8,
+            BLOCK_M, BLOCK_N, BLOCK_K, W_FP8, dt,
         )  # fmt: skip
         if W_FP8:  # the sums of quantised products times both scales
+            x_scale = tl.load(x_scale_ptr + rm, mask=rm < M, other=1.0)
             acc = acc * x_scale[:, None] * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
             if ACT != 0:
                 acc_up = (
@@ -389,7 +396,6 @@ if triton is not None:
                 )
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        dt = x_ptr.dtype.element_ty
         if ACT != 0:
             acc = gated_activation(acc, acc_up, dt, ACT)
         # Rounded to x's dtype whatever y's (float32 logits hold the bfloat16 values).
@@ -398,7 +404,7 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_kernel(
-        x_ptr, w_ptr, w_scale_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, k_cache, v_cache, slots_ptr,
+        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, k_cache, v_cache, slots_ptr,
         k_scale_ptr, v_scale_ptr, M, stride_x, stride_cos, stride_sin, stride_kc, stride_kc_head, stride_vc,
         stride_vc_head, K: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, W_FP8: tl.constexpr,
         NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
@@ -416,17 +422,18 @@ if triton is not None:
         m_ok = rm[:, None] < M
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
         wait_for_previous(PDL)
-        acc, acc_up, x_scale = stream_weights(
+        dt = q_ptr.dtype.element_ty
+        acc, acc_up = stream_weights(
             x_ptr, w_rows, w_rows + HALF * K, stride_x, rm, tl.arange(0, BLOCK_K), m_ok, rj < HALF, K, True,
-            BLOCK_M, BLOCK_N, BLOCK_K, W_FP8,
+            BLOCK_M, BLOCK_N, BLOCK_K, W_FP8, dt,
         )  # fmt: skip
         if W_FP8:  # the sums of quantised products times both scales
+            x_scale = tl.load(x_scale_ptr + rm, mask=rm < M, other=1.0)
             acc = acc * x_scale[:, None] * tl.load(w_scale_ptr + rows)[None, :]
             acc_up = acc_up * x_scale[:, None] * tl.load(w_scale_ptr + rows + HALF)[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
             acc_up += tl.load(b_ptr + rows + HALF).to(tl.float32)[None, :]
-        dt = x_ptr.dtype.element_ty
         # F.linear's output (x1: first-half columns, x2: their partners), rounded to x's dtype
         x1, x2 = acc.to(dt), acc_up.to(dt)
         if head < NUM_Q + NUM_KV:

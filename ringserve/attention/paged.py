@@ -192,7 +192,12 @@ def _paged_triton(
     kv_scales=None,
 ):
     """launch: overrides of the kernel's tile and launch settings (bench/bench_paged.py)."""
-    launch = {**LAUNCH, **(launch or {})}
+    # An FP8 cache: twice the keys a loop step, for the bytes in flight of a bf16 step.
+    launch = {
+        **LAUNCH,
+        **({"block_n": 2 * LAUNCH["block_n"]} if kv_scales is not None else {}),
+        **(launch or {}),
+    }
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads

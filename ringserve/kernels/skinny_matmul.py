@@ -308,27 +308,26 @@ if triton is not None:
     def stream_weights(
         x_ptr, w_rows, up_rows, stride_x, rm, rk, m_ok, n_ok, K: tl.constexpr, GATED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_FP8: tl.constexpr = False,
-        DT: tl.constexpr = None,
     ):  # fmt: skip
         """(x @ w^T, x @ up^T) [BLOCK_M, BLOCK_N] float32 for one program's weight rows
         (w_rows, and up_rows when GATED: pointers [BLOCK_N, 1]), read once over all of K
         (K % BLOCK_K == 0) against x's rows padded to BLOCK_M (masked; x stays in L2).
 
         W_FP8: x and w hold e4m3 values (quantize_rows' and fp8_matmul's formats: the caller
-        multiplies by both scales), converted to DT (the activations' dtype) exactly, so the
-        products are exact and their sums float32."""
+        multiplies by both scales), converted to float16 exactly, so the products are exact
+        and their sums float32."""
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok, other=0.0)
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
-            if W_FP8:
-                x, w = x.to(DT), w.to(DT)
+            if W_FP8:  # to float16, exact for e4m3 and one conversion instruction (bfloat16 takes more)
+                x, w = x.to(tl.float16), w.to(tl.float16)
             acc += tl.dot(x, tl.trans(w))
             if GATED:
                 w_up = tl.load(up_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
                 if W_FP8:
-                    w_up = w_up.to(DT)
+                    w_up = w_up.to(tl.float16)
                 acc_up += tl.dot(x, tl.trans(w_up))
         return acc, acc_up
 
@@ -385,7 +384,7 @@ if triton is not None:
             dt = y_ptr.dtype.element_ty
         acc, acc_up = stream_weights(
             x_ptr, w_rows, w_rows + N * K, stride_x, rm, tl.arange(0, BLOCK_K), m_ok, n_ok, K, ACT != 0,
-            BLOCK_M, BLOCK_N, BLOCK_K, W_FP8, dt,
+            BLOCK_M, BLOCK_N, BLOCK_K, W_FP8,
         )  # fmt: skip
         if W_FP8:  # the sums of quantised products times both scales
             x_scale = tl.load(x_scale_ptr + rm, mask=rm < M, other=1.0)
@@ -425,7 +424,7 @@ if triton is not None:
         dt = q_ptr.dtype.element_ty
         acc, acc_up = stream_weights(
             x_ptr, w_rows, w_rows + HALF * K, stride_x, rm, tl.arange(0, BLOCK_K), m_ok, rj < HALF, K, True,
-            BLOCK_M, BLOCK_N, BLOCK_K, W_FP8, dt,
+            BLOCK_M, BLOCK_N, BLOCK_K, W_FP8,
         )  # fmt: skip
         if W_FP8:  # the sums of quantised products times both scales
             x_scale = tl.load(x_scale_ptr + rm, mask=rm < M, other=1.0)

@@ -456,6 +456,10 @@ if triton is not None:
         wait_for_previous(PDL)
         q_offs = (q_start + qi).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
         q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if KV_SCALED and not IEEE:
+            # FP8 pages: the dots in float16, to which e4m3 converts exactly in one instruction
+            # (to bfloat16 it takes several, per key); q and p lose nothing that matters there.
+            q = q.to(tl.float16)
         m_i = tl.full([QUERIES * GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([QUERIES * GROUP_PAD], tl.float32)
         acc = tl.zeros([QUERIES * GROUP_PAD, D_PAD], tl.float32)

@@ -112,3 +112,24 @@ def prompts_of_lengths(lengths, seed=0, vocab: int = 256) -> list[list[int]]:
     """Random token-id prompts of these lengths (ids below `vocab`), the same for a seed."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def fp8_layout_run(folder: str, **options):
+    """A parallel layout's run of the FP8 tests (tests/test_fp8_*.py), float32 on the CPU with
+    `options` (the FP8 ones, the layout): greedy tokens of a 61-token prompt and of a batch of
+    three, the logits of a 30-token prefill then decode (None under data parallelism, whose
+    replicas engine_logits does not address), and the FP8 KV cache's scales (None under tensor
+    parallelism, where each rank holds its heads' only)."""
+    from ringserve import LLM
+    from ringserve.engine.logits_probe import engine_logits
+    from ringserve.sampling_params import SamplingParams
+
+    long = prompts_of_lengths([61], seed=7)[0]
+    batch = prompts_of_lengths([23, 5, 40], seed=8)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, timeout_s=60, **options) as llm:
+        tokens = [o.token_ids for o in llm.generate([long, *batch], params)]
+        logits = engine_logits(llm.engine, long[:40], prefill=30) if options.get("dp", 1) == 1 else None
+        scales = llm.engine.executor.worker.kv_cache.scales
+        scales = scales.clone() if scales is not None and options.get("tp", 1) == 1 else None
+    return tokens, logits, scales

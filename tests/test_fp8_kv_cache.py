@@ -16,7 +16,7 @@ from ringserve.kernels.kv_quant import FP8_DTYPE, FP8_MAX, dequantize_kv, quanti
 from ringserve.model.tiny_models import hf_model
 from ringserve.options import EngineOptions, OptionError
 
-from helpers import prompts_of_lengths, run_requests, scored
+from helpers import fp8_layout_run, prompts_of_lengths, run_requests, scored
 
 
 def _e4m3_grid() -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,26 +147,13 @@ LAYOUTS = [
 
 @pytest.fixture(scope="module")
 def single_rank_fp8(tiny_model_dir):
-    return _run_layout(tiny_model_dir("llama"))
-
-
-def _run_layout(folder, **layout):
-    long = prompts_of_lengths([61], seed=7)[0]
-    batch = prompts_of_lengths([23, 5, 40], seed=8)
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    with LLM(
-        folder, device="cpu", dtype="float32", block_size=4, kv_cache_dtype="fp8", timeout_s=60, **layout
-    ) as llm:
-        tokens = [o.token_ids for o in llm.generate([long, *batch], params)]
-        logits = engine_logits(llm.engine, long[:40], prefill=30) if layout.get("dp", 1) == 1 else None
-        scales = _cache(llm).scales.clone() if layout.get("tp", 1) == 1 else None
-    return tokens, logits, scales
+    return fp8_layout_run(tiny_model_dir("llama"), kv_cache_dtype="fp8")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_every_layout_equals_the_single_rank(layout, tiny_model_dir, single_rank_fp8):
     ref_tokens, ref_logits, ref_scales = single_rank_fp8
-    tokens, logits, scales = _run_layout(tiny_model_dir("llama"), **layout)
+    tokens, logits, scales = fp8_layout_run(tiny_model_dir("llama"), kv_cache_dtype="fp8", **layout)
     if scales is not None:  # every CP rank, and each replica, calibrated alike
         torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
     if logits is not None:

@@ -7,14 +7,14 @@ interpreter.)"""
 import pytest
 import torch
 
-from ringserve import LLM, SamplingParams
+from ringserve import LLM
 from ringserve.engine.logits_probe import engine_logits
 from ringserve.kernels.kv_quant import FP8_DTYPE
 from ringserve.kernels.skinny_matmul import quantize_rows
 from ringserve.model.tiny_models import hf_model
 from ringserve.options import EngineOptions, OptionError
 
-from helpers import prompts_of_lengths
+from helpers import fp8_layout_run, prompts_of_lengths
 
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -65,17 +65,9 @@ def test_option_is_checked():
     assert EngineOptions(quantization="fp8").engine_config().quantization == "fp8"
 
 
-def _run(folder, **kw):
-    long = prompts_of_lengths([61], seed=7)[0]
-    batch = prompts_of_lengths([23, 5, 40], seed=8)
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    common = dict(
-        device="cpu", dtype="float32", block_size=4, timeout_s=60, quantization="fp8", kv_cache_dtype="fp8"
-    )
-    with LLM(folder, **common, **kw) as llm:
-        tokens = [o.token_ids for o in llm.generate([long, *batch], params)]
-        logits = engine_logits(llm.engine, long[:40], prefill=30) if kw.get("dp", 1) == 1 else None
-    return tokens, logits
+def _run(folder, **layout):
+    """FP8 weights and FP8 KV under a layout: (tokens, logits), as fp8_layout_run gives them."""
+    return fp8_layout_run(folder, quantization="fp8", kv_cache_dtype="fp8", **layout)[:2]
 
 
 @pytest.fixture(scope="module")

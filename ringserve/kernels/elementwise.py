@@ -273,8 +273,6 @@ if triton is not None:
             out_ptr + t * stride_out + cols, (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype), mask=ok
         )
 
-    # slots [G, T]: KV group g's row starts 16-byte aligned only where g * T is even, so no
-    # variant is compiled for it (one per parity of a step's token count otherwise).
     @triton.jit
     def _to_cache(x, scale_ptr, head, head_ok, cache_ptr, QUANT: tl.constexpr):
         """x [BLOCK_H, ...] (rows: KV heads) as a cache stores it: as is, or (QUANT) e4m3 of
@@ -284,6 +282,8 @@ if triton is not None:
             x = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -FP8_MAX, FP8_MAX)
         return x.to(cache_ptr.dtype.element_ty)
 
+    # slots [G, T]: KV group g's row starts 16-byte aligned only where g * T is even, so no
+    # variant is compiled for it (one per parity of a step's token count otherwise).
     @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
     def _store_kv_kernel(
         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, k_scale_ptr, v_scale_ptr, stride_k, stride_v,

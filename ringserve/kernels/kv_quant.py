@@ -44,10 +44,8 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Cached K or V [S, NKV, D] (e4m3, or already in dtype when scale is None) -> dtype."""
-    if scale is None:
-        return x
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cached K or V [S, NKV, D] in e4m3, times its scale [NKV] -> dtype."""
     return (x.float() * scale[:, None]).to(dtype)
 
 

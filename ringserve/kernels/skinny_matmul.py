@@ -208,10 +208,9 @@ def fp8_matmul(
     xq, x_scale = quantize_rows(x)
     n, k = weight.shape
     if x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9) and n % 16 == 0 and k % 16 == 0:
-        y = torch._scaled_mm(
+        return torch._scaled_mm(
             xq, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :], bias=bias, out_dtype=x.dtype
         )
-        return y
     y = (xq.float() @ weight.float().t()) * x_scale * weight_scale[None, :]
     if bias is not None:
         y += bias.float()

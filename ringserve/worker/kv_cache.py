@@ -20,11 +20,9 @@ from ringserve.worker.kv_groups import KVGroups
 
 
 class KVCache:
-    def __init__(
-        self, groups: KVGroups, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, scales=None
-    ):
-        """dtype: the cache's storage dtype; scales [num_layers, 2, NKV] float32 where it is
-        FP8 (default: all 1.0, as vLLM without calibrated scales)."""
+    def __init__(self, groups: KVGroups, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        """dtype: the cache's storage dtype; an FP8 one's scales start at 1.0 (vLLM's default
+        without calibrated scales) until the worker sets them (worker/kv_calibration.py)."""
         self.groups = groups
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -34,9 +32,7 @@ class KVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.scales = None
         if dtype == FP8_DTYPE:
-            if scales is None:
-                scales = torch.ones(len(groups.layer_tensor), 2, num_kv_heads)
-            self.scales = scales.to(device=device, dtype=torch.float32).contiguous()
+            self.scales = torch.ones(len(groups.layer_tensor), 2, num_kv_heads, device=device)
 
     @property
     def quantized(self) -> bool:

@@ -133,3 +133,23 @@ def fp8_layout_run(folder: str, **options):
         scales = llm.engine.executor.worker.kv_cache.scales
         scales = scales.clone() if scales is not None and options.get("tp", 1) == 1 else None
     return tokens, logits, scales
+
+
+FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_inputs_per_token(model, names=FP8_PROJECTIONS):
+    """Hooks on a transformers model's projections named `names` that quantise each one's
+    input per token to e4m3 and read it back, as an FP8 projection's matmul does
+    (kernels/skinny_matmul.fp8_matmul); returns the model."""
+    from ringserve.kernels.skinny_matmul import quantize_rows
+
+    def quantize_input(module, args):
+        (x,) = args
+        xq, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        return ((xq.float() * scale).reshape(x.shape).to(x.dtype),)
+
+    for name, module in model.named_modules():
+        if name.endswith(names):
+            module.register_forward_pre_hook(quantize_input)
+    return model

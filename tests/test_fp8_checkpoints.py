@@ -1,8 +1,10 @@
-"""Pre-quantised FP8 checkpoints load by dequantising into the model's dtype: compressed-tensors
-(written by compressed-tensors itself: FP8_DYNAMIC per channel, FP8 per tensor with static
-input scales, FP8_BLOCK) and transformers' "fp8" block format (written byte for byte: no
-writer for it outside a GPU). Each is checked against its library's own dequantisation, and
-transformers run on those dequantised weights saved as a plain checkpoint."""
+"""Pre-quantised FP8 checkpoints: compressed-tensors (written by compressed-tensors itself:
+FP8_DYNAMIC per channel, FP8 per tensor with static input scales, FP8_BLOCK) and
+transformers' "fp8" block format (written byte for byte: no writer for it outside a GPU).
+Row-wise ones (per channel, per tensor) are served in FP8 as stored, block-scaled ones
+dequantised into the model's dtype. Each is checked against its library's own
+dequantisation, and transformers run on those dequantised weights saved as a plain
+checkpoint (with each projection's input quantised per token where the engine serves FP8)."""
 
 import json
 import shutil
@@ -15,15 +17,19 @@ from ringserve import LLM, ModelLoadError, SamplingParams
 from ringserve.config import ModelConfig
 from ringserve.engine.engine import LLMEngine
 from ringserve.engine.logits_probe import engine_logits
+from ringserve.kernels.kv_quant import FP8_DTYPE
 from ringserve.model.fp8 import dequantize_fp8
 from ringserve.model.tiny_models import TINY, hf_greedy, hf_model, save_random_model
 from ringserve.model.weights import load_model
+
+from helpers import quantize_inputs_per_token
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # Blocks that divide neither the 64 wide hidden size nor the 88 wide MLP (nor its 44 rows a
 # rank holds at tp=2): partial blocks at the edges, blocks cut by the shard boundary.
 BLOCK = [16, 24]
 FORMATS = ["ct_channel", "ct_tensor", "ct_block", "fp8_block"]
+ROW_WISE = ("ct_channel", "ct_tensor")  # served in FP8 as stored
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 
 
@@ -152,34 +158,102 @@ def test_loaded_weights_equal_the_dequantised_reference(fmt, fp8_folders):
     assert config.quantization.method == ("fp8" if fmt == "fp8_block" else "compressed-tensors")
     ours = load_model(config, quantized, torch.device("cpu"), torch.float32).state_dict()
     reference = load_model(ModelConfig.from_pretrained(dense), dense, torch.device("cpu"), torch.float32)
+    served_fp8 = 0
     for name, tensor in reference.state_dict().items():
-        assert torch.equal(ours[name], tensor), name
+        if ours[name].dtype == FP8_DTYPE:  # as stored: e4m3 bytes and a scale per row
+            served_fp8 += 1
+            got = ours[name].float() * ours[name.replace(".weight", ".weight_scale")][:, None]
+            assert torch.equal(got, tensor), name
+        else:
+            assert torch.equal(ours[name], tensor), name
+    # q/k/v, o, gate/up and down of each of the two layers; never the LM head
+    assert served_fp8 == (8 if fmt in ROW_WISE else 0)
+    assert ours["lm_head.weight"].dtype == torch.float32
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fp8_checkpoint_matches_transformers_on_its_dequantisation(fmt, fp8_folders):
     quantized, dense = fp8_folders(fmt)
     tokens = list(range(3, 30))
+    reference = hf_model(dense)
+    if fmt in ROW_WISE:  # FP8 matmuls: each projection's input quantised per token
+        reference = quantize_inputs_per_token(reference)
     with torch.no_grad():
-        ref = hf_model(dense)(torch.tensor([tokens])).logits[0]
+        ref = reference(torch.tensor([tokens])).logits[0]
+        unquantized_inputs = hf_model(dense)(torch.tensor([tokens])).logits[0]
     ours = engine_logits(LLMEngine(quantized, device="cpu", dtype="float32"), tokens, prefill=20)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    if fmt in ROW_WISE:
+        assert (unquantized_inputs - ref).abs().max() > 100 * (ours - ref).abs().max()
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     with LLM(quantized, device="cpu", dtype="float32") as llm:
-        assert llm.generate([PROMPT], greedy)[0].token_ids == hf_greedy(hf_model(dense), PROMPT, 12)
+        assert llm.generate([PROMPT], greedy)[0].token_ids == hf_greedy(reference, PROMPT, 12)
 
 
-@pytest.mark.parametrize("fmt", ["ct_channel", "ct_tensor", "fp8_block"])
-def test_fp8_checkpoint_tp2_equals_tp1(fmt, fp8_folders):
+def test_block_fp8_checkpoint_tp2_equals_tp1(fp8_folders):
     """Each rank dequantises its rows (q/k/v, gate/up) or columns (o_proj, down_proj) with
     the scales of their positions in the whole tensor: 44 MLP rows a rank, blocks of 16."""
-    quantized, dense = fp8_folders(fmt)
+    quantized, dense = fp8_folders("fp8_block")
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     runs = []
     for tp in (1, 2):
         with LLM(quantized, device="cpu", dtype="float32", tp=tp, timeout_s=60) as llm:
             runs.append(list(llm.generate([PROMPT], greedy)[0].token_ids))
     assert runs[0] == runs[1] == hf_greedy(hf_model(dense), PROMPT, 12)
+
+
+@pytest.mark.parametrize("fmt", ROW_WISE)
+def test_row_wise_fp8_checkpoint_under_tp_holds_its_slices_as_stored(fmt, fp8_folders):
+    """A TP rank holds the stored bytes of its rows (q/k/v, gate/up) with their scales, and
+    of its columns (o, down) with their whole rows' scales. Each rank quantises its slice of a
+    row-parallel input per token (as vLLM does), so TP's logits carry an activation error of
+    their own, about as large as one rank's, not more."""
+    quantized, dense = fp8_folders(fmt)
+    tokens = list(range(3, 30))
+    logits, held = {}, {}
+    for tp in (1, 2):
+        with LLM(quantized, device="cpu", dtype="float32", tp=tp, block_size=4, timeout_s=60) as llm:
+            logits[tp] = engine_logits(llm.engine, tokens, prefill=20)
+            layer = llm.engine.executor.worker.model.model.layers[1]
+            held[tp] = {
+                name: (module.weight.view(torch.uint8).clone(), module.weight_scale.clone())
+                for name, module in (("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj))
+            }
+    (gate_up, gate_up_scale), (down, down_scale) = held[1]["gate_up"], held[1]["down"]
+    rank0_rows = torch.cat([torch.arange(44), 88 + torch.arange(44)])  # rank 0's gate, then up rows
+    assert torch.equal(held[2]["gate_up"][0], gate_up[rank0_rows])
+    assert torch.equal(held[2]["gate_up"][1], gate_up_scale[rank0_rows])
+    assert torch.equal(held[2]["down"][0], down[:, :44])
+    assert torch.equal(held[2]["down"][1], down_scale)
+    with torch.no_grad():
+        unquantized_inputs = hf_model(dense)(torch.tensor([tokens])).logits[0]
+    one_rank_error = (logits[1] - unquantized_inputs).abs().max()
+    assert 0 < (logits[2] - unquantized_inputs).abs().max() < 1.5 * one_rank_error
+
+
+def test_merged_projection_with_a_part_left_unquantised_runs_dequantised(tmp_path, fp8_folders):
+    """A checkpoint that keeps one part of a merged projection unquantised (an `ignore`
+    entry): that layer's q/k/v is held in the model's dtype (its FP8 parts dequantised), the
+    others as stored."""
+    quantized, dense = fp8_folders("ct_channel")
+    folder = tmp_path / "partial"
+    shutil.copytree(quantized, folder)
+    tensors = load_file(f"{folder}/model.safetensors")
+    plain = load_file(f"{dense}/model.safetensors")
+    name = "model.layers.0.self_attn.k_proj.weight"
+    tensors[name] = plain[name]
+    del tensors[name + "_scale"]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model = load_model(
+        ModelConfig.from_pretrained(str(folder)), str(folder), torch.device("cpu"), torch.float32
+    )
+    reference = load_model(ModelConfig.from_pretrained(dense), dense, torch.device("cpu"), torch.float32)
+    layers = model.model.layers
+    assert layers[0].self_attn.qkv_proj.weight_scale is None
+    assert torch.equal(
+        layers[0].self_attn.qkv_proj.weight, reference.model.layers[0].self_attn.qkv_proj.weight
+    )
+    assert layers[0].self_attn.o_proj.weight.dtype == layers[1].self_attn.qkv_proj.weight.dtype == FP8_DTYPE
 
 
 def test_block_dequantisation_of_a_slice_equals_the_slice_of_the_whole():

@@ -14,28 +14,19 @@ from ringserve.kernels.skinny_matmul import quantize_rows
 from ringserve.model.tiny_models import hf_model
 from ringserve.options import EngineOptions, OptionError
 
-from helpers import fp8_layout_run, prompts_of_lengths
-
-QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from helpers import FP8_PROJECTIONS, fp8_layout_run, prompts_of_lengths, quantize_inputs_per_token
 
 
 def _fake_quantized_hf(folder: str):
     """transformers' model with each projection's weight quantised per row and read back, and
-    its input quantised per token (the hook) as fp8_matmul does."""
+    its input quantised per token as fp8_matmul does."""
     model = hf_model(folder)
-
-    def quantize_input(module, args):
-        (x,) = args
-        xq, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-        return ((xq.float() * scale).reshape(x.shape).to(x.dtype),)
-
     with torch.no_grad():
         for name, module in model.named_modules():
-            if name.endswith(QUANTIZED):
+            if name.endswith(FP8_PROJECTIONS):
                 wq, scale = quantize_rows(module.weight)
                 module.weight.copy_(wq.float() * scale)
-                module.register_forward_pre_hook(quantize_input)
-    return model
+    return quantize_inputs_per_token(model)
 
 
 def _weights(llm):

@@ -1,7 +1,8 @@
 """A checkpoint's `quantization_config` (config.json): which pre-quantised formats load, and
 the fields their dequantisation needs; anything else is refused by the field that says it.
 
-Loaded (weights dequantised into the model's dtype as they load, model/fp8.py):
+Loaded (model/fp8.py: per-tensor and per-channel weights served in FP8 as stored, block
+scales dequantised into the model's dtype as they load):
 
 - compressed-tensors (llm-compressor's FP8, FP8_DYNAMIC and FP8_BLOCK schemes):
   `quant_method: "compressed-tensors"`, `format: "float-quantized"` (or "naive-quantized"),

@@ -64,11 +64,15 @@ def dequantize_pair(k, v, scales, dtype: torch.dtype):
     return dequantize_kv(k, scales[0], dtype), dequantize_kv(v, scales[1], dtype)
 
 
+def fp8_supported(device: torch.device) -> bool:
+    """FP8 runs on a CPU (torch's e4m3, the tests) and on GPUs whose Triton and FP8 matmuls
+    take e4m3 (compute capability 8.9 and later: Ada, Hopper, Blackwell)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def check_fp8_device(device: torch.device, what: str) -> None:
-    """FP8 (`what`: the option asking for it) runs on a CPU (torch's e4m3, the tests) and on
-    GPUs whose Triton and FP8 matmuls take e4m3 (compute capability 8.9 and later: Ada,
-    Hopper, Blackwell); elsewhere a ValueError that says so."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+    """A ValueError that says so where FP8 (`what`: the option asking for it) cannot run."""
+    if not fp8_supported(device):
         major, minor = torch.cuda.get_device_capability(device)
         raise ValueError(
             f"{what} needs a GPU of compute capability 8.9 or later (float8 e4m3); "

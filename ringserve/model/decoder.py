@@ -97,8 +97,9 @@ def make_norm(config: ModelConfig, dim: int) -> RMSNorm:
 
 class Linear(nn.Linear):
     """nn.Linear; at decode batch sizes on a GPU its matmul is ringserve's skinny kernel.
-    Under --quantization fp8 (model/fp8.quantize_linears) its weight is e4m3 with a float32
-    scale per output row in weight_scale [N] (kernels/skinny_matmul.fp8_matmul)."""
+    Under --quantization fp8 (model/quantize.py), or loaded from a row-wise FP8 checkpoint
+    (model/fp8.py), its weight is e4m3 with a float32 scale per output row in weight_scale
+    [N] (kernels/skinny_matmul.fp8_matmul)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -1,5 +1,6 @@
-"""FP8 weights of pre-quantised checkpoints (compressed-tensors, transformers' "fp8"),
-dequantised into the model's dtype as they load.
+"""FP8 weights of pre-quantised checkpoints (compressed-tensors, transformers' "fp8"): served
+in FP8 as stored where their scales are row-wise, dequantised into the model's dtype as they
+load where they are not.
 
 A quantised projection `X.weight` [out, in] is stored in float8 e4m3 beside its scale:
 `X.weight_scale` (compressed-tensors) or `X.weight_scale_inv` (transformers; despite the
@@ -10,13 +11,21 @@ name it is multiplied too), one of
 - per block: [ceil(out / rows), ceil(in / cols)] for blocks of [rows, cols] (the config's
   block structure), the last row and column of blocks possibly partial.
 
-The weight is fp8 * scale, its scale broadcast over what it covers; computed in float32
-(exact: e4m3's 4 significant bits times a bfloat16 or float32 scale), then rounded once
-into the model's dtype by the copy. Tensor parallelism reads a slice of the weight; the
+Per tensor and per channel, a projection keeps the checkpoint's e4m3 bytes and takes a
+float32 scale per output row (a tensor's one scale repeated: exact), the layout of
+--quantization fp8 (model/quantize.py): half the memory of bf16 and its FP8 kernels, as vLLM
+serves these checkpoints. Activations are then quantised per token as they come (dynamic),
+also where the checkpoint has a static `input_scale`: finer, and the same arithmetic as
+FP8_DYNAMIC's. On a GPU without FP8 (compute capability below 8.9) such weights are
+dequantised instead, as block-scaled ones always are (a row-wise layout cannot hold them).
+
+Dequantised, the weight is fp8 * scale, its scale broadcast over what it covers; computed in
+float32 (exact: e4m3's 4 significant bits times a bfloat16 or float32 scale), then rounded
+once into the model's dtype by the copy. Tensor parallelism reads a slice of the weight; the
 scale of each row and column read is picked by its position in the whole tensor, so a
-block cut by a shard boundary is dequantised as in the whole tensor.
-Activation scales (`input_scale`, transformers' `activation_scale`) are not read: the
-model runs in its own dtype.
+block cut by a shard boundary is dequantised as in the whole tensor, and a row-parallel
+rank's rows keep their whole row's scale.
+Activation scales (`input_scale`, transformers' `activation_scale`) are not read.
 """
 
 from __future__ import annotations
@@ -85,6 +94,27 @@ def _positions(size: int, entry) -> torch.Tensor:
     return every[entry]
 
 
+def row_scales(scale: torch.Tensor, full_shape: tuple[int, int], rows) -> torch.Tensor:
+    """A weight's per-tensor or per-channel scale (the module docstring) -> float32 [r], the
+    scale of each of its rows `rows` (an index entry into 0 .. out - 1)."""
+    out = full_shape[0]
+    scale = _scale_values(scale)
+    positions = _positions(out, rows)
+    if scale.numel() == 1:
+        return scale.reshape(1).expand(len(positions)).contiguous()
+    if scale.numel() == out and (scale.dim() == 1 or tuple(scale.shape) == (out, 1)):
+        return scale.reshape(-1)[positions]
+    raise ValueError(
+        f"FP8 scale of shape {tuple(scale.shape)} is not row-wise for a weight {list(full_shape)}: "
+        f"expected [] or [{out}, 1]"
+    )
+
+
+def scaled_modules(names) -> set[str]:
+    """Checkpoint tensor names -> the modules whose weight has an FP8 scale beside it."""
+    return {name[: -len(suffix)] for name in names for suffix in SCALE_SUFFIXES if name.endswith(suffix)}
+
+
 def is_fp8(tensor: torch.Tensor) -> bool:
     return tensor.dtype in FP8_DTYPES
 
@@ -117,7 +147,10 @@ def pair_fp8(tensors, block: tuple[int, int] | None):
 
 
 def _dequantizing_read(name: str, read_weight, scale: torch.Tensor, block):
-    def read(index):
+    """read(index) -> the dequantised float32 slice; read.stored(index) -> the slice as
+    stored (float8) and its rows' scales (float32 [r]), for a weight served in FP8."""
+
+    def stored(index):
         asked = {}
 
         def weight_index(shape):
@@ -127,6 +160,15 @@ def _dequantizing_read(name: str, read_weight, scale: torch.Tensor, block):
         weight = read_weight(weight_index)
         if not is_fp8(weight):
             raise ValueError(f"{name} has a scale but is stored as {weight.dtype}, not float8")
-        return dequantize_fp8(weight, scale, block, asked["shape"], asked["index"])
+        return weight, asked["shape"], tuple(asked["index"] or ())
 
+    def read(index):
+        weight, shape, where = stored(index)
+        return dequantize_fp8(weight, scale, block, shape, where)
+
+    def read_stored(index):
+        weight, shape, where = stored(index)
+        return weight, row_scales(scale, shape, where[0] if where else slice(None))
+
+    read.stored = read_stored
     return read

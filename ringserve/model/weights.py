@@ -18,12 +18,14 @@ from contextlib import contextmanager
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from ringserve.config import ModelConfig, TPShard
 from ringserve.config.quantization import FP8_METHODS
 from ringserve.errors import ModelLoadError
-from ringserve.model.decoder import Experts, MergedLinear, Transformer
-from ringserve.model.fp8 import is_fp8, pair_fp8, scales_first
+from ringserve.kernels.kv_quant import FP8_DTYPE, fp8_supported
+from ringserve.model.decoder import Experts, Linear, MergedLinear, Transformer
+from ringserve.model.fp8 import is_fp8, pair_fp8, scaled_modules, scales_first
 from ringserve.model.mxfp4 import pair_quantized
 
 logger = logging.getLogger(__name__)
@@ -128,17 +130,61 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(
-    config: ModelConfig, device: torch.device, dtype: torch.dtype, shard: TPShard | None = None
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    shard: TPShard | None = None,
+    fp8_weights: set[str] = frozenset(),
 ) -> Transformer:
-    """The model's modules with uninitialised storage on `device` (no weights read yet)."""
+    """The model's modules with uninitialised storage on `device` (no weights read yet).
+    fp8_weights: names of the Linear weights to hold as float8 e4m3 with a float32 scale per
+    row (`stored_fp8_weights`)."""
     with _default_dtype(dtype), torch.device("meta"):
         model = Transformer(config, shard)
+        for name in fp8_weights:
+            module = model.get_submodule(name.rpartition(".")[0])
+            module.weight = nn.Parameter(
+                torch.empty_like(module.weight, dtype=FP8_DTYPE), requires_grad=False
+            )
+            module.weight_scale = torch.empty(module.weight.shape[0], dtype=torch.float32)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives each module its own storage: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     for rotary in model.model.rotary_emb.values():
         rotary.reset_buffers()
     return model.eval().requires_grad_(False)
+
+
+def stored_fp8_weights(model: Transformer, checkpoint_names) -> set[str]:
+    """The model's Linear weights a row-wise FP8 checkpoint (per channel or per tensor: a
+    scale per row holds it exactly) stores in FP8 whole: every part of a merged one
+    (q/k/v, gate/up). The LM head and MoE experts are left to dequantise: their matmuls take
+    no FP8 weights."""
+    merged = merged_parts(model)
+    parts: dict[str, set[str]] = {}
+    for module in scaled_modules(checkpoint_names):
+        param_name, expert = checkpoint_param_name(module + ".weight")
+        if expert is None:
+            target, _ = merged.get(param_name, (param_name, None))
+            parts.setdefault(target, set()).add(param_name)
+    stored = set()
+    for target, got in parts.items():
+        module = model.get_submodule(target.rpartition(".")[0])
+        if isinstance(module, Linear) and module is not model.lm_head:
+            if len(got) == (len(module.parts) if isinstance(module, MergedLinear) else 1):
+                stored.add(target)
+    return stored
+
+
+def checkpoint_names(folder: str, tensors: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+    """Every tensor name of a checkpoint (the files' headers only)."""
+    if tensors is not None:
+        return list(tensors)
+    names = []
+    for path in checkpoint_files(folder):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names += list(f.keys())
+    return names
 
 
 def _file_tensors(folder: str):
@@ -241,11 +287,16 @@ def load_weights(
         target = param[expert] if expert is not None else param
         if rows is not None:
             target = target[rows]
+        index = lambda shape, param_name=param_name: plan.local_slice(param_name, shape)  # noqa: E731
+        scale = None
         try:
-            tensor = read(lambda shape, param_name=param_name: plan.local_slice(param_name, shape))
+            if is_fp8(param):  # served as stored: its bytes and its rows' scales
+                tensor, scale = read.stored(index)
+            else:
+                tensor = read(index)
         except Exception as e:
             raise ModelLoadError(f"cannot read tensor {name} from {origin} (truncated file?): {e}") from e
-        if is_fp8(tensor):
+        if is_fp8(tensor) and scale is None:
             raise ModelLoadError(
                 f"tensor {name} in {origin} is {tensor.dtype} without a weight_scale beside it "
                 "(ringserve dequantises FP8 weights of a compressed-tensors or fp8 quantization_config)"
@@ -260,12 +311,16 @@ def load_weights(
             target = target[: tensor.shape[0]]
         if config.rope_interleaved and param_name.endswith(_ROTATED):
             tensor = deinterleave_heads(tensor, config.head_dim)
+            scale = None if scale is None else deinterleave_heads(scale, config.head_dim)
         if tuple(tensor.shape) != tuple(target.shape):
             raise ModelLoadError(
                 f"tensor {name} in {origin} has shape {tuple(tensor.shape)}, "
                 f"the model expects {tuple(target.shape)}"
             )
         target.copy_(tensor)
+        if scale is not None:
+            scales = model.get_submodule(target_name.rpartition(".")[0]).weight_scale
+            (scales if rows is None else scales[rows]).copy_(scale)
         done = filled.setdefault(param_name, set())
         done.add(expert)
         if progress is not None and (expert is None or len(done) == param.shape[0]):
@@ -301,6 +356,19 @@ def load_model(
     tensors: Mapping[str, torch.Tensor] | None = None,
     shard: TPShard | None = None,
 ) -> Transformer:
-    model = build_model(config, device, dtype, shard)
+    fp8_weights = set()
+    quantization = config.quantization
+    if quantization is not None and quantization.method in FP8_METHODS and quantization.block is None:
+        if fp8_supported(device):
+            with torch.device("meta"):
+                fp8_weights = stored_fp8_weights(
+                    Transformer(config, shard), checkpoint_names(folder, tensors)
+                )
+            logger.info("FP8 checkpoint: %d projections served in float8 e4m3 as stored", len(fp8_weights))
+        else:
+            logger.warning(
+                "FP8 checkpoint on a GPU without FP8 matmuls: its weights dequantised to %s", dtype
+            )
+    model = build_model(config, device, dtype, shard, fp8_weights)
     load_weights(model, folder, plan, show_progress, tensors)
     return model

@@ -32,8 +32,9 @@ from ringserve.sampling_params import SamplingParams  # noqa: E402
 
 def check_kernels(device) -> dict:
     """The FP8 store kernels (store, RoPE + store, q/k/v matmul + RoPE + store) against
-    kernels/kv_quant.py's torch form, and the paged kernel over an FP8 cache against the
-    gathered reference, bf16 on the device."""
+    kernels/kv_quant.py's torch form, the skinny FP8 matmul and the experts' FP8 grouped
+    matmul against scaled_mm, and the paged kernel over an FP8 cache against the gathered
+    reference, bf16 on the device."""
     import torch.nn.functional as F
 
     from ringserve.attention import paged as pa
@@ -88,6 +89,38 @@ def check_kernels(device) -> dict:
             err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
             out[f"skinny_fp8_{n}x{k}_m{m}_rel_err"] = err
             print(f"  skinny FP8 {n}x{k} rows {m}: max |diff| / max |y| against scaled_mm {err:.2e}")
+
+    # FP8 experts: one grouped matmul (torch's scaled grouped mm) against each expert's
+    # scaled_mm, Qwen3-30B-A3B's gate shape (128 experts, 768 x 2048), 2,000 rows unevenly
+    # spread (some experts get none); and its time against the bf16 grouped matmul
+    if S.fp8_grouped_mm_usable(device):
+        experts, n, k = 128, 768, 2048
+        w = (torch.randn(experts, n, k, device=device) / k**0.5).to(dt)
+        w8, w_scale = S.quantize_rows(w.reshape(-1, k))
+        w8, w_scale = w8.view(experts, n, k), w_scale.view(experts, n)
+        counts = torch.distributions.Poisson(16.0).sample((experts,)).int()
+        counts[::7] = 0
+        ends = counts.cumsum(0).int().to(device)
+        xg = torch.randn(int(ends[-1]), k, device=device).to(dt)
+        got = S.fp8_grouped_mm(xg, w8.transpose(1, 2), w_scale, ends)
+        want, start = torch.empty_like(got), 0
+        for e, end in enumerate(ends.tolist()):
+            if end > start:
+                want[start:end] = S.fp8_matmul(xg[start:end], w8[e], w_scale[e])
+            start = end
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        fp8_ms = min(
+            timed_ms(lambda: S.fp8_grouped_mm(xg, w8.transpose(1, 2), w_scale, ends), device)
+            for _ in range(20)
+        )
+        bf16_ms = min(
+            timed_ms(lambda: torch._grouped_mm(xg, w.transpose(1, 2), offs=ends), device) for _ in range(20)
+        )
+        out["fp8_grouped_mm"] = {"rel_err": err, "fp8_ms": fp8_ms, "bf16_ms": bf16_ms, "rows": xg.shape[0]}
+        print(
+            f"  FP8 grouped matmul ({xg.shape[0]} rows, 128 experts {n}x{k}): max |diff| / max |y| against "
+            f"per-expert scaled_mm {err:.2e}; {fp8_ms:.3f} ms against bf16's {bf16_ms:.3f} ms"
+        )
 
     # paged decode over FP8 pages: 3 sequences, split-KV
     bs, lens = 16, [1000, 37, 4100]

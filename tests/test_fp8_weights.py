@@ -4,6 +4,8 @@ every parallel layout (with the FP8 KV cache too) against the single rank, the o
 checks. (The skinny kernel's FP8 path: tests/test_skinny_matmul.py, under Triton's
 interpreter.)"""
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from ringserve import LLM
 from ringserve.engine.logits_probe import engine_logits
 from ringserve.kernels.kv_quant import FP8_DTYPE
 from ringserve.kernels.skinny_matmul import quantize_rows
+from ringserve.model.decoder import Experts
 from ringserve.model.tiny_models import hf_model
 from ringserve.options import EngineOptions, OptionError
 
@@ -79,7 +82,7 @@ def single_rank(tiny_model_dir):
         ("llama", dict(cp=2, cp_algo="pass_kv")),
         ("llama", dict(cp=2, cp_algo="pass_q")),
         ("llama", dict(dp=2)),
-        ("qwen3_moe", dict(cp=2, ep=2)),  # experts stay in the model's dtype, spread by EP
+        ("qwen3_moe", dict(cp=2, ep=2)),  # FP8 experts, spread by EP
     ],
     ids=str,
 )
@@ -114,3 +117,101 @@ def test_tensor_parallel_fp8_weights_share_the_row_scales(tiny_model_dir):
     torch.testing.assert_close(tp_scale, one_scale, rtol=0, atol=0)
     assert (runs["tp"] - runs["one"]).abs().max() < (runs["bf"] - runs["one"]).abs().max()
     assert (runs["tp"] - runs["bf"]).abs().max() < 1.5 * (runs["one"] - runs["bf"]).abs().max()
+
+
+def _fake_quantized_moe_hf(folder: str):
+    """transformers' MoE model with each projection's and each expert's weights quantised per
+    row and read back, and (quantized_inputs) the input of every matmul with one of those
+    weights quantised per token, as the engine's FP8 matmuls do."""
+    model = hf_model(folder)
+    model.config._experts_implementation = "eager"  # expert by expert, through F.linear
+    weights = set()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            stacked = [module.gate_up_proj, module.down_proj] if name.endswith("mlp.experts") else []
+            rows = (
+                [module.weight]
+                if name.endswith(FP8_PROJECTIONS)
+                else [w[e] for w in stacked for e in range(len(w))]
+            )
+            for weight in rows:
+                wq, scale = quantize_rows(weight)
+                weight.copy_(wq.float() * scale)
+                weights.add(weight.data_ptr())
+    original = torch.nn.functional.linear
+
+    def quantized_inputs(x, weight, bias=None):
+        if weight.data_ptr() in weights:
+            xq, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+            x = (xq.float() * scale).reshape(x.shape).to(x.dtype)
+        return original(x, weight, bias)
+
+    return model, quantized_inputs
+
+
+def test_fp8_experts_match_transformers_with_experts_quantized_alike(tiny_model_dir):
+    folder = tiny_model_dir("qwen3_moe")
+    tokens = prompts_of_lengths([40], seed=4)[0]
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, quantization="fp8") as llm:
+        ours = engine_logits(llm.engine, tokens, prefill=19, chunks=[6])
+        experts = next(m for m in _weights(llm).modules() if isinstance(m, Experts))
+        assert experts.gate_proj.dtype == experts.down_proj.dtype == FP8_DTYPE
+        assert experts.down_proj_scale.shape == experts.down_proj.shape[:2]
+    model, quantized_inputs = _fake_quantized_moe_hf(folder)
+    with torch.no_grad():
+        plain = hf_model(folder)(torch.tensor([tokens])).logits[0]
+        with mock.patch("torch.nn.functional.linear", quantized_inputs):
+            want = model(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
+    assert (plain - want).abs().max() > 100 * (ours - want).abs().max()  # it did quantise
+
+
+@pytest.mark.parametrize("arch", ["llama4", "gpt_oss"])
+def test_fused_fp8_experts_equal_their_quantised_arithmetic(arch, tiny_model_dir):
+    """Llama 4's and gpt-oss's fused experts (x @ W, stored column-major once quantised): each
+    expert's rows through e4m3 weights with a scale per output column and inputs quantised
+    per token, against that arithmetic written out in float64 from the unquantised weights."""
+    from ringserve.model.fused_moe import FusedExperts
+
+    with LLM(tiny_model_dir(arch), device="cpu", dtype="float32", quantization="fp8") as llm:
+        experts = next(m for m in _weights(llm).modules() if isinstance(m, FusedExperts))
+        assert experts.gate_up_proj.dtype == FP8_DTYPE and experts.gate_up_proj.stride(1) == 1
+        num_experts, hidden, _ = experts.gate_up_proj.shape
+        x = torch.randn(11, hidden, generator=torch.Generator().manual_seed(0))
+        ends = torch.tensor([3, 3, 9, 11][: num_experts - 1] + [11], dtype=torch.int32)
+        got = experts.loop_forward(x, ends)
+
+    def quantized(t):  # per row, read back
+        q, scale = quantize_rows(t)
+        return q.double() * scale.double()
+
+    want, start = torch.empty(11, hidden, dtype=torch.float64), 0
+    for e, end in enumerate(ends.tolist()):
+        weights = {}
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(experts, name)[e].double() * getattr(experts, name + "_scale")[e].double()
+            weights[name] = w
+        h = quantized(x[start:end]) @ weights["gate_up_proj"]
+        if experts.gate_up_proj_bias is not None:
+            h = h + experts.gate_up_proj_bias[e].double()
+        act = experts.activation(h.float())
+        y = quantized(act) @ weights["down_proj"]
+        if experts.down_proj_bias is not None:
+            y = y + experts.down_proj_bias[e].double()
+        want[start:end] = y
+        start = end
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_fp8_experts_share_the_down_rows_scales(tiny_model_dir):
+    """TP splits each expert's intermediate size: gate/up rows are this rank's own, and the
+    down projection's rows (their input split) take the whole row's scale."""
+    folder = tiny_model_dir("qwen3_moe")
+    held = {}
+    for tp in (1, 2):
+        with LLM(folder, device="cpu", dtype="float32", quantization="fp8", tp=tp, timeout_s=60) as llm:
+            experts = next(m for m in _weights(llm).modules() if isinstance(m, Experts))
+            held[tp] = {n: getattr(experts, n + "_scale").clone() for n in ("gate_proj", "down_proj")}
+    half = held[1]["gate_proj"].shape[1] // 2
+    torch.testing.assert_close(held[2]["gate_proj"], held[1]["gate_proj"][:, :half], rtol=0, atol=0)
+    torch.testing.assert_close(held[2]["down_proj"], held[1]["down_proj"], rtol=0, atol=0)

@@ -217,6 +217,28 @@ def fp8_matmul(
     return y.to(x.dtype)
 
 
+def fp8_grouped_mm_usable(device: torch.device) -> bool:
+    """Whether fp8_grouped_mm runs as one grouped matmul: torch's row-wise FP8 grouped
+    kernels are Hopper's (compute capability 9.x)."""
+    return (
+        hasattr(torch, "_scaled_grouped_mm")
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] == 9
+    )
+
+
+def fp8_grouped_mm(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, ends: torch.Tensor
+) -> torch.Tensor:
+    """Each group of x's rows times its expert's FP8 weight, fp8_matmul's arithmetic in one
+    grouped matmul (fp8_grouped_mm_usable): x [N, K] (rows sorted by group, group e's ending
+    at ends[e], int32 on the device), weight [E, K, Nout] e4m3 laid out column-major
+    (stride(1) == 1: each expert's [Nout, K] rows contiguous), weight_scale [E, Nout]
+    float32 -> [N, Nout] in x's dtype."""
+    xq, x_scale = quantize_rows(x)
+    return torch._scaled_grouped_mm(xq, weight, x_scale[:, 0], weight_scale, offs=ends, out_dtype=x.dtype)
+
+
 def skinny_plan(
     x: torch.Tensor, weight: torch.Tensor, gated: bool = False
 ) -> tuple[int, int, int, int] | None:

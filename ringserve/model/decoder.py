@@ -29,7 +29,13 @@ from ringserve.kernels.elementwise import (
     rotary_qk,
     unit_offset_rms_norm,
 )
-from ringserve.kernels.skinny_matmul import gated_linear, linear
+from ringserve.kernels.skinny_matmul import (
+    fp8_grouped_mm,
+    fp8_grouped_mm_usable,
+    fp8_matmul,
+    gated_linear,
+    linear,
+)
 from ringserve.model.fused_moe import GptOssMoeBlock, Llama4MoeBlock
 
 
@@ -332,13 +338,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class Experts(nn.Module):
-    """The experts of one MoE layer, stacked: expert e's weights are gate_proj[e] etc."""
+    """The experts of one MoE layer, stacked: expert e's weights are gate_proj[e] etc.
+    Under --quantization fp8 (model/quantize.py) each is e4m3 with a float32 scale per
+    output row in gate_proj_scale, up_proj_scale [E, I] and down_proj_scale [E, H]."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        for name in ("gate_proj_scale", "up_proj_scale", "down_proj_scale"):
+            self.register_buffer(name, None)
 
     @property
     def num_local_experts(self) -> int:
@@ -347,7 +357,10 @@ class Experts(nn.Module):
     def on_device(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether grouped_forward runs without a host sync (kernels.grouped_mm_usable)."""
         _, intermediate, hidden = self.gate_proj.shape
-        return grouped_mm_usable(device, dtype, hidden, intermediate)
+        fp8 = self.gate_proj_scale is not None
+        return grouped_mm_usable(device, dtype, hidden, intermediate) and (
+            not fp8 or fp8_grouped_mm_usable(device)
+        )
 
     def grouped_forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """x [N, H]: tokens sorted by expert, local expert e's rows ending at ends[e]
@@ -355,9 +368,15 @@ class Experts(nn.Module):
 
         Each expert runs once over its whole group (no per-token loop); an expert with no
         token costs nothing. On a GPU in bf16, one grouped matmul runs all experts at once,
-        reading the group ends on the device (no host sync).
+        reading the group ends on the device (no host sync); FP8 experts likewise, their
+        input rows quantised per token (kernels/skinny_matmul.fp8_grouped_mm).
         """
         if self.on_device(x.device, x.dtype):
+            if self.gate_proj_scale is not None:
+                gate = fp8_grouped_mm(x, self.gate_proj.transpose(1, 2), self.gate_proj_scale, ends)
+                up = fp8_grouped_mm(x, self.up_proj.transpose(1, 2), self.up_proj_scale, ends)
+                act = F.silu(gate) * up
+                return fp8_grouped_mm(act, self.down_proj.transpose(1, 2), self.down_proj_scale, ends)
             gate = torch._grouped_mm(x, self.gate_proj.transpose(1, 2), offs=ends)
             up = torch._grouped_mm(x, self.up_proj.transpose(1, 2), offs=ends)
             return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
@@ -366,10 +385,15 @@ class Experts(nn.Module):
         for e, end in enumerate(ends.tolist()):  # on a GPU a sync: this fallback is not the fast path
             if end > start:
                 h = x[start:end]
-                act = F.silu(h @ self.gate_proj[e].t()) * (h @ self.up_proj[e].t())
-                out[start:end] = act @ self.down_proj[e].t()
+                act = F.silu(self.project(h, "gate_proj", e)) * self.project(h, "up_proj", e)
+                out[start:end] = self.project(act, "down_proj", e)
             start = end
         return out
+
+    def project(self, x: torch.Tensor, name: str, expert: int) -> torch.Tensor:
+        """x @ weight[expert]^T for the stacked weight `name`, in FP8 where it is."""
+        weight, scale = getattr(self, name)[expert], getattr(self, name + "_scale")
+        return F.linear(x, weight) if scale is None else fp8_matmul(x, weight, scale[expert])
 
 
 class SparseMoeBlock(nn.Module):

@@ -15,6 +15,7 @@ from torch import nn
 
 from ringserve.config import ModelConfig, TPShard
 from ringserve.kernels.elementwise import grouped_mm_usable, silu_mul
+from ringserve.kernels.skinny_matmul import fp8_grouped_mm, fp8_grouped_mm_usable, fp8_matmul
 
 
 class FusedExperts(nn.Module):
@@ -23,6 +24,11 @@ class FusedExperts(nn.Module):
     adds_down_bias: whether this rank adds down_proj_bias. Under tensor parallelism each
     rank holds a slice of every expert's I and the partial outputs are summed over the
     ranks, so only TP rank 0 adds the bias (exactly once); whole experts always add it.
+
+    Under --quantization fp8 (model/quantize.py) both weights are e4m3, laid out
+    column-major (each output column's K values contiguous, as FP8 matmuls read them; the
+    shapes stay HF's), with a float32 scale per output column in gate_up_proj_scale [E, 2I]
+    and down_proj_scale [E, H].
     """
 
     def __init__(
@@ -46,6 +52,8 @@ class FusedExperts(nn.Module):
         self.interleaved = interleaved
         self.swiglu = swiglu
         self.adds_down_bias = adds_down_bias
+        self.register_buffer("gate_up_proj_scale", None)
+        self.register_buffer("down_proj_scale", None)
 
     @property
     def num_local_experts(self) -> int:
@@ -54,7 +62,10 @@ class FusedExperts(nn.Module):
     def on_device(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether grouped_forward runs without a host sync (kernels.grouped_mm_usable)."""
         _, intermediate, hidden = self.down_proj.shape
-        return grouped_mm_usable(device, dtype, hidden, intermediate)
+        fp8 = self.down_proj_scale is not None
+        return grouped_mm_usable(device, dtype, hidden, intermediate) and (
+            not fp8 or fp8_grouped_mm_usable(device)
+        )
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[N, 2I] -> [N, I]: silu(gate) * up (Llama 4), or gpt-oss's clamped SwiGLU
@@ -79,14 +90,15 @@ class FusedExperts(nn.Module):
         return self.loop_forward(x, ends)
 
     def grouped_mm_forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        """All experts in two grouped matmuls (bf16), reading the group ends on the device."""
-        h = torch._grouped_mm(x, self.gate_up_proj, offs=ends)  # [N, 2I]
+        """All experts in two grouped matmuls (bf16, or FP8 with x's rows quantised per token),
+        reading the group ends on the device."""
+        h = self.grouped_mm(x, "gate_up_proj", ends)  # [N, 2I]
         expert_of_row = None
         if self.gate_up_proj_bias is not None:
             rows = torch.arange(x.shape[0], device=x.device, dtype=ends.dtype)
             expert_of_row = torch.searchsorted(ends, rows, right=True)  # [N]
             h = h + self.gate_up_proj_bias[expert_of_row]
-        out = torch._grouped_mm(self.activation(h), self.down_proj, offs=ends)
+        out = self.grouped_mm(self.activation(h), "down_proj", ends)
         if expert_of_row is not None and self.adds_down_bias:
             out = out + self.down_proj_bias[expert_of_row]
         return out
@@ -97,15 +109,28 @@ class FusedExperts(nn.Module):
         start = 0
         for e, end in enumerate(ends.tolist()):
             if end > start:
-                h = x[start:end] @ self.gate_up_proj[e]
+                h = self.project(x[start:end], "gate_up_proj", e)
                 if self.gate_up_proj_bias is not None:
                     h = h + self.gate_up_proj_bias[e]
-                y = self.activation(h) @ self.down_proj[e]
+                y = self.project(self.activation(h), "down_proj", e)
                 if self.down_proj_bias is not None and self.adds_down_bias:
                     y = y + self.down_proj_bias[e]
                 out[start:end] = y
             start = end
         return out
+
+    def grouped_mm(self, x: torch.Tensor, name: str, ends: torch.Tensor) -> torch.Tensor:
+        weight, scale = getattr(self, name), getattr(self, name + "_scale")
+        return (
+            torch._grouped_mm(x, weight, offs=ends)
+            if scale is None
+            else fp8_grouped_mm(x, weight, scale, ends)
+        )
+
+    def project(self, x: torch.Tensor, name: str, expert: int) -> torch.Tensor:
+        """x @ weight[expert] for the fused weight `name`, in FP8 where it is."""
+        weight, scale = getattr(self, name)[expert], getattr(self, name + "_scale")
+        return x @ weight if scale is None else fp8_matmul(x, weight.t(), scale[expert])
 
 
 def fused_experts(config: ModelConfig, shard: TPShard) -> FusedExperts:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ringserve.attention.dense import warm_up_cudnn
 from ringserve.config import EngineConfig, ModelConfig, TPShard
 from ringserve.kernels.kv_quant import FP8_DTYPE, check_fp8_device, kv_storage_dtype
-from ringserve.model.quantize import quantize_linears
+from ringserve.model.quantize import quantize_weights
 from ringserve.model.tp_shard_plan import TensorParallelPlan
 from ringserve.model.weights import load_model
 from ringserve.parallel.allreduce import AllReduce
@@ -71,8 +71,8 @@ class Worker:
         )
         if engine_config.quantization == "fp8":
             check_fp8_device(self.device, "quantization=fp8")
-            count = quantize_linears(self.model, groups.tp_group if groups.tp_size > 1 else None)
-            logger.info("quantization fp8: %d projections in float8 e4m3 with a scale per row", count)
+            count = quantize_weights(self.model, groups.tp_group if groups.tp_size > 1 else None)
+            logger.info("quantization fp8: %d weights in float8 e4m3 with a scale per row", count)
         self.all_reduce = AllReduce(groups.tp_group, allreduce, self.device)
         if groups.ep_size > 1:
             self.run_experts = ExpertParallel(

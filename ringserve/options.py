@@ -24,6 +24,7 @@ import torch
 
 from ringserve.config import DTYPES, EngineConfig, ParallelConfig
 from ringserve.config.names import ALLREDUCE_BACKENDS, CP_ALGOS, KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from ringserve.config.speculative import SpeculativeConfig
 from ringserve.errors import RingserveError
 
 
@@ -143,6 +144,15 @@ class EngineOptions:
     enable_prefix_caching: bool = _opt(
         True, "reuse cached prompt prefixes", cli_negative=("--no-prefix-caching",)
     )
+    speculative_config: str | dict | None = _opt(
+        None,
+        "speculative decoding, a JSON object as vLLM's: "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} guesses up to 4 '
+        "tokens a step from the latest earlier occurrence of the last n-gram (n from "
+        "prompt_lookup_min to prompt_lookup_max) and checks them in one forward pass; the output "
+        "is the same as without it. One replica without context parallelism (dp=1, cp=1); steps "
+        "with drafts run without CUDA graphs and without async scheduling",
+    )
     enforce_eager: bool = _opt(
         False, "no CUDA graphs: decode steps launch their kernels from Python (slower; for debugging)"
     )
@@ -239,6 +249,16 @@ class EngineOptions:
         if not isinstance(g, str) or not g or (g not in ("auto", "vllm") and not os.path.isdir(g)):
             raise OptionError("generation_config", f"must be auto, vllm or a folder, got {g!r}")
         try:
+            speculative = self.speculative()
+        except ValueError as e:
+            raise OptionError("speculative_config", str(e)) from None
+        if speculative is not None and self.async_scheduling:
+            raise OptionError(
+                "speculative_config",
+                "runs without async scheduling (each step's drafts come from the tokens the last "
+                "step accepted): leave async_scheduling unset or off",
+            )
+        try:
             parallel = self.parallel_config()
         except ValueError as e:
             raise OptionError("ep", str(e)) from None
@@ -278,9 +298,13 @@ class EngineOptions:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)})
 
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config parsed (None: no speculation); a ValueError says what is wrong."""
+        return SpeculativeConfig.parse(self.speculative_config)
+
     def resolved_async_scheduling(self, device: torch.device) -> bool:
         if self.async_scheduling is None:
-            return device.type == "cuda" and self.parallel_config().world_size == 1
+            return device.type == "cuda" and self.parallel_config().world_size == 1 and not self.speculative()
         return self.async_scheduling
 
     def resolved_show_progress(self) -> bool:

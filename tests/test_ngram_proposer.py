@@ -10,13 +10,17 @@ from ringserve.engine.ngram_proposer import NgramIndex
 
 def scan(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """The reference: for the longest n first, the latest earlier place where the last n tokens
-    occur with a token after them; what follows it, up to k tokens."""
+    occur with a token after them; the k tokens that follow it, the copy running on into the
+    tokens it adds (an overlapping copy) where it reaches the end."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n :]
         for j in range(length - n - 1, -1, -1):
             if tokens[j : j + n] == suffix:
-                return tokens[j + n : min(j + n + k, length)]
+                copied = list(tokens)
+                for i in range(k):
+                    copied.append(copied[j + n + i])
+                return copied[length:]
     return []
 
 
@@ -43,7 +47,9 @@ def test_copied_passage_is_drafted_from_its_latest_occurrence():
     index = NgramIndex(2, 4, [1, 2, *passage, 3, 4, 5, *passage[:6]])
     assert index.propose(5) == passage[6:11]
     index.extend(passage[6:11])
-    assert index.propose(50) == passage[11:] + [3, 4, 5] + passage[:6] + passage[6:11]
+    draft = index.propose(50)
+    assert draft[:23] == passage[11:] + [3, 4, 5] + passage[:6] + passage[6:11]
+    assert draft[23:] == draft[:27]  # past the end the copy runs on into itself
 
 
 def test_lookup_work_per_step_does_not_grow_with_a_100k_prompt():

@@ -117,6 +117,16 @@ def format_table(summary: dict, metrics: list[str], percentiles: list[float], ti
         row("Output token throughput (tok/s):", summary["output_throughput"]),
         row("Total token throughput (tok/s):", summary["total_token_throughput"]),
     ]
+    if summary.get("spec_decode_num_drafts"):
+        rate = summary["spec_decode_acceptance_rate"]
+        lines += [
+            f"{'Speculative Decoding':-^50}",
+            row("Acceptance rate (%):", None if rate is None else 100 * rate),
+            row("Acceptance length:", summary["spec_decode_acceptance_length"]),
+            row("Drafts:", int(summary["spec_decode_num_drafts"])),
+            row("Draft tokens:", int(summary["spec_decode_num_draft_tokens"])),
+            row("Accepted tokens:", int(summary["spec_decode_num_accepted_tokens"])),
+        ]
     for name in metrics:
         upper = name.upper()
         lines.append(f"{TITLES[name]:-^50}")

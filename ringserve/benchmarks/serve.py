@@ -352,7 +352,7 @@ def run(args) -> int:
     progress = not args.disable_tqdm
     now = datetime.datetime.now()
 
-    sweep = rate_sweep = None
+    sweep = rate_sweep = before = after = None
     if args.sweep_input_lens:
         sweep, results, duration = _sweep(args, server, tokenizer, rng, metrics, percentiles, progress)
     elif args.request_rate_sweep:
@@ -362,8 +362,12 @@ def run(args) -> int:
     else:
         samples = make_requests(args, tokenizer, rng)
         _warm_up(args, server, samples[0])
+        before = spec_decode_counts(server)
         results, duration = _run_at(args, server, samples, args.request_rate, arrivals_rng, progress)
+        after = spec_decode_counts(server)
     summary = summarize(results, duration, metrics, percentiles, goodput)
+    if not (sweep or rate_sweep) and before is not None and after is not None:
+        summary.update(spec_decode_summary(before, after))
     print(format_table(summary, metrics, percentiles, "Serving Benchmark Result"))
     if summary["failed"]:
         print(_errors_report(results))
@@ -415,6 +419,44 @@ def run(args) -> int:
         plot_result(result, args.plot)
         print(f"plot saved to {args.plot}")
     return 0 if summary["completed"] else 1
+
+
+SPEC_DECODE_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def spec_decode_counts(server: ServerInfo) -> dict[str, float] | None:
+    """The server's speculative-decoding counters (vLLM's vllm:spec_decode_* on /metrics,
+    summed over its replicas); None where it has none (no speculation, or no /metrics)."""
+    import httpx2 as httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = httpx.get(server.base_url + "/metrics", headers=server.headers, timeout=30)
+        if r.status_code != 200:
+            return None
+        counts = {}
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:
+                name = sample.name.removeprefix("vllm:spec_decode_").removesuffix("_total")
+                if sample.name.startswith("vllm:spec_decode_") and name in SPEC_DECODE_COUNTERS:
+                    counts[name] = counts.get(name, 0.0) + sample.value
+    except (httpx.HTTPError, ValueError):
+        return None
+    return counts or None
+
+
+def spec_decode_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the run's drafts did, from the counters around it: as `vllm bench serve` reports,
+    the share of draft tokens kept and the mean acceptance length (tokens per verified run)."""
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in SPEC_DECODE_COUNTERS}
+    drafts, tokens, accepted = delta["num_drafts"], delta["num_draft_tokens"], delta["num_accepted_tokens"]
+    return {
+        "spec_decode_num_drafts": drafts,
+        "spec_decode_num_draft_tokens": tokens,
+        "spec_decode_num_accepted_tokens": accepted,
+        "spec_decode_acceptance_rate": accepted / tokens if tokens else None,
+        "spec_decode_acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
 
 
 def _warm_up(args, server: ServerInfo, sample: datasets.SampleRequest) -> None:

@@ -40,6 +40,7 @@ from ringserve.engine.output_processor import OutputProcessor
 from ringserve.engine.sampler import sample_on_device
 from ringserve.engine.scheduler import ScheduledBatch, Scheduler
 from ringserve.engine.sequence import PENDING_TOKEN, ContextLimit, Sequence
+from ringserve.engine.speculative import NgramDrafter, SpecDecodeStats, kept_run
 from ringserve.engine.structured_output import GrammarCompiler, GrammarMasks
 from ringserve.engine.text_bound import max_prompt_chars
 from ringserve.errors import RequestError, RequestTooLargeError
@@ -208,6 +209,19 @@ class LLMEngine:
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits are not)
         self.cp_steps: collections.Counter[str] = collections.Counter()  # steps per ring that ran
         self.async_scheduling = options.resolved_async_scheduling(self.device)
+        self.speculative = options.speculative()
+        self.drafter = None  # speculative decoding's (engine/speculative.py)
+        self.spec_stats = SpecDecodeStats()
+        if self.speculative is not None and (parallel.dp > 1 or parallel.cp > 1):
+            logger.warning(
+                "speculative decoding is off: it runs on one replica without context parallelism "
+                "(dp=1, cp=1) for now, and this engine has dp=%d cp=%d",
+                parallel.dp,
+                parallel.cp,
+            )
+        elif self.speculative is not None:
+            self.drafter = NgramDrafter(self.speculative)
+            logger.info("speculative decoding: %s", self.speculative)
         self._inflight: LaunchedStep | None = None  # launched, its tokens not read yet
         self._undelivered: list[RequestOutput] = []  # read by a step that then raised
         self.steps_scheduled_ahead = 0  # steps launched before the previous one's tokens were read
@@ -294,6 +308,9 @@ class LLMEngine:
         """
         outputs, self._undelivered = self._undelivered, []
         inflight = self._inflight
+        if self.drafter is not None:  # no step in flight: every running sequence's tokens are read
+            for seq in self.scheduler.running:
+                seq.draft_token_ids = self.drafter.propose(seq, self.max_model_len)
         try:
             batch = self.scheduler.schedule()
         except RequestTooLargeError as e:  # that request alone fails; the others go on
@@ -336,14 +353,16 @@ class LLMEngine:
                 if tokens[-1] == PENDING_TOKEN:
                     step.pending.append((flat - 1, inflight.row_of[seq.request_id]))
             pending_tokens = inflight.tokens if step.pending else None
-        logits = self.executor.execute(step, pending_tokens=pending_tokens)  # [S + R, V]
+        logits = self.executor.execute(step, pending_tokens=pending_tokens)  # [S + R + D, V]
         num_sampling = sum(step.sample)
+        num_scored = sum(count for _, _, count in step.scored)
         if step.scored:  # prompt logprobs: the rows after the sampled ones (read now, rare)
-            self._score_prompts(batch, step, logits[num_sampling:])
+            self._score_prompts(batch, step, logits[num_sampling : num_sampling + num_scored])
+        draft_logits = logits[num_sampling + num_scored :]  # [D, V]: drafted sequences' other rows
         sampling = [
             seq
             for seq, n in zip(batch.seqs, batch.num_tokens)
-            if seq.num_computed_tokens + n == seq.num_tokens
+            if seq.num_computed_tokens + n - len(seq.draft_token_ids) == seq.num_tokens
         ]
         # max_tokens=0 (prompt logprobs only): done after the prefill, no token drawn.
         keep = [i for i, seq in enumerate(sampling) if seq.params.max_tokens > 0]
@@ -354,14 +373,26 @@ class LLMEngine:
         if any(seq.grammar is not None for seq in sampling):  # masked before the logprobs, as vLLM
             logits = self._constrain(logits, sampling, pending)
         self.logits_adjuster.release_finished(self.seqs)
+        # A drafted sequence has a row per position of its run (speculative.py), sampled as
+        # the token at that position: its drafts' rows, then its own. row_seqs [rows]: whose.
+        drafts = [list(seq.draft_token_ids) for seq in sampling]
+        if step.drafts:
+            logits = _with_draft_rows(logits, sampling, draft_logits, batch, step)
+        row_seqs = [seq for seq, d in zip(sampling, drafts) for _ in range(len(d) + 1)]
+        positions = [i for d in drafts for i in range(len(d) + 1)] if step.drafts else None
         # logits stay raw for the logprobs (vLLM's default); the tokens come from the adjusted
-        tokens, kept, errors = _sample_or_blame(logits, sampling, self.logits_adjuster, pending)
-        failed = [(sampling[i], e) for i, e in errors.items()]
-        if errors:
-            logits, sampling = logits[kept], [sampling[i] for i in kept]
-        self.logits_adjuster.record(sampling, tokens)
-        logprobs = _sampled_logprobs(logits, sampling, tokens)
-        return LaunchedStep(batch, sampling, tokens, logprobs, no_token, failed)
+        tokens, kept, errors = _sample_or_blame(logits, row_seqs, self.logits_adjuster, pending, positions)
+        failed = list({id(row_seqs[i]): (row_seqs[i], e) for i, e in errors.items()}.values())
+        if errors:  # a sequence with a failed row ends; its other rows go too
+            gone = {id(seq) for seq, _ in failed}
+            rows = [i for i in kept if id(row_seqs[i]) not in gone]
+            tokens = tokens[[kept.index(i) for i in rows]]
+            logits, row_seqs = logits[rows], [row_seqs[i] for i in rows]
+            drafts = [d for seq, d in zip(sampling, drafts) if id(seq) not in gone]
+            sampling = [seq for seq in sampling if id(seq) not in gone]
+        self.logits_adjuster.record(row_seqs, tokens)
+        logprobs = _sampled_logprobs(logits, row_seqs, tokens)
+        return LaunchedStep(batch, sampling, tokens, logprobs, no_token, failed, drafts)
 
     def _constrain(
         self, logits: torch.Tensor, sampling: list[Sequence], pending: dict[str, int]
@@ -386,7 +417,7 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq.finished:  # ended (stop, abort) while this step was being launched
                 continue
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)  # drafts count once kept
             block_manager = self.replicas[seq.replica].block_manager
             block_manager.cache_full_blocks(seq)
             block_manager.release_outside_window(seq)
@@ -404,20 +435,36 @@ class LLMEngine:
         logprobs = launched.read_logprobs()
         now = time.monotonic()
         outputs = []
-        for i, (seq, token) in enumerate(zip(launched.sampling, tokens)):
+        first = 0  # the sequence's first row of tokens
+        for seq, drafts in zip(launched.sampling, launched.drafts):
+            rows = slice(first, first + len(drafts) + 1)
+            first = rows.stop
             if seq.finished:  # ended while its step ran: the token computed past its end is dropped
                 continue
             try:
-                assert seq.output_token_ids[-1] == PENDING_TOKEN
-                seq.output_token_ids[-1] = token
+                run = kept_run(drafts, tokens[rows])
+                placeholder = seq.output_token_ids.pop()
+                assert placeholder == PENDING_TOKEN
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                self.output_processor.take_token(seq, token)
+                new = []
+                for token in run:  # each read as if it came alone: a stop inside the run ends it
+                    seq.output_token_ids.append(token)
+                    new.append(token)
+                    self.output_processor.take_token(seq, token)
+                    if seq.finish_reason is not None:
+                        break
+                if drafts:
+                    self.spec_stats.record(len(drafts), len(run) - 1)
+                    seq.draft_token_ids = []
                 if seq.finish_reason is not None:
                     self.scheduler.finish(seq)
-                out = self.output_processor.output(seq, [token])
-                if logprobs is not None and logprobs[i] is not None:
-                    out.new_logprobs = [logprobs[i]]
+                elif drafts:  # the kept drafts' KV is the cache's now; the last token is computed next
+                    seq.num_computed_tokens += len(run) - 1
+                    self.replicas[seq.replica].block_manager.cache_full_blocks(seq)
+                out = self.output_processor.output(seq, new)
+                if logprobs is not None and logprobs[rows.start] is not None:
+                    out.new_logprobs = logprobs[rows][: len(new)]
             except Exception as e:  # whatever it was, it ends this request alone
                 out = self._fail_request(seq, e)
             outputs.append(out)
@@ -507,20 +554,46 @@ def _pending_tokens(sampling: list[Sequence], inflight: LaunchedStep | None) -> 
     return {seq.request_id: tokens[inflight.row_of[seq.request_id]] for seq in need}
 
 
+def _with_draft_rows(
+    logits: torch.Tensor, sampling: list[Sequence], draft_logits: torch.Tensor, batch, step: StepInput
+) -> torch.Tensor:
+    """logits [S, V] (a row per sampling sequence) and the drafted sequences' other rows
+    draft_logits [D, V] (step.drafts' order) -> [S + D, V]: each sequence's rows in the order
+    of its run's positions (its drafts' rows, then its own)."""
+    draft_rows, first = {}, 0
+    for i, d in step.drafts:
+        draft_rows[id(batch.seqs[i])] = range(first, first + d)
+        first += d
+    order = []
+    for row, seq in enumerate(sampling):
+        order += [len(sampling) + r for r in draft_rows.get(id(seq), ())] + [row]
+    index = torch.tensor(order, dtype=torch.int64).to(logits.device, non_blocking=True)
+    return torch.cat([logits, draft_logits]).index_select(0, index)
+
+
 def _sample_or_blame(
-    logits: torch.Tensor, seqs: list[Sequence], adjuster: LogitsAdjuster, pending: dict[str, int]
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    adjuster: LogitsAdjuster,
+    pending: dict[str, int],
+    positions: list[int] | None = None,
 ) -> tuple[torch.Tensor, list[int], dict[int, Exception]]:
-    """The rows' tokens on the device (logits [S, V], one row per sequence), the rows they
+    """The rows' tokens on the device (logits [S, V], a row per sequence, or per position of
+    a drafted sequence's run: `positions` counts them from its next token), the rows they
     are for, and the rows that failed. Should the batch fail, each row is sampled alone, so
     a request whose parameters break sampling fails alone instead of the whole step."""
     try:
-        return sample_on_device(adjuster.adjust(logits, seqs, pending), seqs), list(range(len(seqs))), {}
+        tokens = sample_on_device(adjuster.adjust(logits, seqs, pending), seqs, positions)
+        return tokens, list(range(len(seqs))), {}
     except Exception:  # find the rows to blame below
         pass
     tokens, kept, errors = [], [], {}
     for i, seq in enumerate(seqs):
         try:
-            tokens.append(sample_on_device(adjuster.adjust(logits[i : i + 1], [seq], pending), [seq]))
+            position = None if positions is None else positions[i : i + 1]
+            tokens.append(
+                sample_on_device(adjuster.adjust(logits[i : i + 1], [seq], pending), [seq], position)
+            )
             kept.append(i)
         except Exception as e:
             errors[i] = e

@@ -3,6 +3,7 @@ reads them one step on, while the next step runs)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -18,18 +19,23 @@ class LaunchedStep:
     """A step on its way through the device: its tokens are sampled there and read later."""
 
     batch: ScheduledBatch
-    sampling: list[Sequence]  # the sequences that sample, in the order of `tokens`
-    tokens: torch.Tensor  # [S] int64 on the device
+    sampling: list[Sequence]  # the sequences that sample, in the order of their rows of `tokens`
+    tokens: torch.Tensor  # [rows] int64 on the device: a row per sequence, d + 1 with d drafts
     # (rows of `tokens` whose request asked for logprobs, their logprobs on the device)
     logprobs: tuple[list[int], DeviceLogprobs] | None
     no_token: list[Sequence]  # max_tokens=0: end after this step's prefill without a token
     failed: list[tuple[Sequence, Exception]]  # sequences whose sampling failed: they end alone
-    row_of: dict[str, int] = field(init=False)  # request id -> its row of `tokens`
-    _host: torch.Tensor = field(init=False)  # [S] int64, the tokens' copy on the host
+    # each sampling sequence's drafts checked by this step (speculative.py); None: none
+    drafts: list[list[int]] | None = None
+    row_of: dict[str, int] = field(init=False)  # request id -> its (last) row of `tokens`
+    _host: torch.Tensor = field(init=False)  # [rows] int64, the tokens' copy on the host
     _ready: torch.cuda.Event | None = field(init=False)
 
     def __post_init__(self):
-        self.row_of = {seq.request_id: i for i, seq in enumerate(self.sampling)}
+        if self.drafts is None:
+            self.drafts = [[] for _ in self.sampling]
+        ends = itertools.accumulate(len(d) + 1 for d in self.drafts)
+        self.row_of = {seq.request_id: end - 1 for seq, end in zip(self.sampling, ends)}
         if self.tokens.is_cuda:  # start the copy now; read_tokens waits for it alone
             self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
             self._host.copy_(self.tokens, non_blocking=True)
@@ -48,7 +54,7 @@ class LaunchedStep:
         if self.logprobs is None:
             return None
         rows, device_logprobs = self.logprobs
-        result: list[TokenLogprob | None] = [None] * len(self.sampling)
+        result: list[TokenLogprob | None] = [None] * self.tokens.shape[0]
         for row, lp in zip(rows, device_logprobs.read()):
             result[row] = lp
         return result

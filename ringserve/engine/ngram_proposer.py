@@ -49,14 +49,19 @@ class NgramIndex:
             self.extend(kept)
 
     def propose(self, k: int) -> list[int]:
-        """Up to k draft tokens: what followed the latest earlier occurrence of the last n tokens,
-        for the longest n in [min_n, max_n] that occurred before; [] when none did."""
+        """k draft tokens: what followed the latest earlier occurrence of the last n tokens, for
+        the longest n in [min_n, max_n] that occurred before; [] when none did."""
         seq = self.tokens
         length = len(seq)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             self.probes += 1
             start = self._after.get(tuple(seq[length - n :]))
             if start is not None:
-                # start < length: the suffix itself has no token after it yet, so it is not indexed
-                return seq[start : min(start + k, length)]
+                # start < length: the suffix itself has no token after it yet, so it is not indexed.
+                # A copy that reaches the end goes on into its own draft (a repeating stretch,
+                # "a b a b" -> "a b a b", as an overlapping copy does).
+                draft = seq[start : start + k]
+                while len(draft) < k:
+                    draft.append(draft[len(draft) - (length - start)])
+                return draft
         return []

@@ -50,12 +50,18 @@ class SamplingTensors:
 
     @classmethod
     def from_seqs(
-        cls, seqs: list[Sequence], device: torch.device | str, vocab_size: int | None = None
+        cls,
+        seqs: list[Sequence],
+        device: torch.device | str,
+        vocab_size: int | None = None,
+        positions: list[int] | None = None,
     ) -> SamplingTensors:
-        """O(S) host work and two host-to-device copies; the flags come from the params, not the device."""
+        """O(S) host work and two host-to-device copies; the flags come from the params, not the device.
+        positions: each row's place after its sequence's next token (0 for the next token
+        itself; a verified run's rows count on, engine/speculative.py), whose draw it keys."""
         floats, ints = [], []
         all_greedy, needs_sort, needs_min_p = True, False, False
-        for seq in seqs:
+        for row, seq in enumerate(seqs):
             p = seq.params
             greedy = p.greedy
             top_k = p.top_k if p.top_k > 0 else (vocab_size or _NO_TOP_K)
@@ -72,7 +78,10 @@ class SamplingTensors:
             key, key2 = (
                 (0, 0)
                 if greedy
-                else _row_keys(seq.sampling_seed & 0xFFFFFFFFFFFFFFFF, len(seq.output_token_ids))
+                else _row_keys(
+                    seq.sampling_seed & 0xFFFFFFFFFFFFFFFF,
+                    len(seq.output_token_ids) + (positions[row] if positions else 0),
+                )
             )
             floats.append((1.0 if greedy else p.temperature, top_p, min_p))
             ints.append((int(greedy), top_k, key, key2))
@@ -298,12 +307,15 @@ def sample_tokens(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return torch.where(t.greedy, greedy, argmax_rows(scores))
 
 
-def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """logits [S, V] float32, one row per sequence -> the chosen ids [S] int64 on the device;
-    nothing waits for the device."""
+def sample_on_device(
+    logits: torch.Tensor, seqs: list[Sequence], positions: list[int] | None = None
+) -> torch.Tensor:
+    """logits [S, V] float32, one row per sequence (or per position of a verified run:
+    SamplingTensors.from_seqs' positions) -> the chosen ids [S] int64 on the device; nothing
+    waits for the device."""
     if all(seq.params.greedy for seq in seqs):  # the common decode batch: no per-row tensors to build
         return argmax_rows(logits)
-    tensors = SamplingTensors.from_seqs(seqs, logits.device, logits.shape[-1])
+    tensors = SamplingTensors.from_seqs(seqs, logits.device, logits.shape[-1], positions)
     return sample_tokens(logits, tensors)
 
 

@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_tokens: list[int]  # new tokens computed for each sequence this step
+    # new tokens computed for each sequence this step, its drafts (seq.draft_token_ids) included
+    num_tokens: list[int]
 
     def __bool__(self):
         return bool(self.seqs)
@@ -77,6 +78,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         logger.debug("preempting %s: out of KV-cache blocks", seq.request_id)
+        seq.draft_token_ids = []
         self.running.remove(seq)
         self._release_row(seq)
         self.block_manager.free(seq)
@@ -126,6 +128,11 @@ class Scheduler:
             n = self._chunk(seq, budget, scored)
             if n == 0 and seq.needs_prompt_logits:  # this step's prompt-logprob rows are spent
                 continue
+            if seq.draft_token_ids:  # checked with its last token, as the budget and blocks allow
+                del seq.draft_token_ids[budget - n :]
+                if not self.block_manager.allocate(seq, n + len(seq.draft_token_ids)):
+                    seq.draft_token_ids = []
+                n += len(seq.draft_token_ids)
             allocated = self.block_manager.allocate(seq, n)
             if not allocated and n > self.max_num_batched_tokens:
                 n = self.max_num_batched_tokens  # a smaller chunk before preempting anyone
@@ -170,6 +177,7 @@ class Scheduler:
                 self.block_manager.free(seq)
                 break
             self.waiting.popleft()
+            seq.draft_token_ids = []  # drafts go to running sequences only
             seq.status = Status.RUNNING
             self.take_row(seq)
             self.running.append(seq)

@@ -52,6 +52,9 @@ class Sequence:
         self.num_synced_blocks = 0  # leading blocks of block_table the runners already hold
         self.num_released_blocks: list[int] = []  # per group, leading blocks released (behind its window)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        # Speculative decoding: tokens guessed to follow, checked in this step with the last
+        # one (engine/speculative.py); not among its tokens unless the check keeps them.
+        self.draft_token_ids: list[int] = []
         self.ends_when_read = False  # its pending token (async scheduling) reaches its length limit
         self.num_prefix_cached_tokens = 0  # of those, found in the prefix cache
         self.block_hashes: list[bytes] = []  # prefix-cache hash (SHA-256) of each full block of tokens

@@ -103,6 +103,7 @@ class AsyncEngine:
         self._seen_preemptions: dict[int, int] = {}
         self._seen_computed = 0  # the engine's computed tokens already observed per step
         self._seen_cp: dict[str, int] = {}
+        self._seen_spec: dict = {}  # speculative decoding's counts already added
 
     # Event-loop side ---------------------------------------------------------------------
 
@@ -398,6 +399,20 @@ class AsyncEngine:
             if n > seen:
                 m.cp_steps(algo).inc(n - seen)
                 self._seen_cp[algo] = n
+        if engine.drafter is not None:
+            self._add_spec_decode_counts(engine.spec_stats)
+
+    def _add_spec_decode_counts(self, stats) -> None:
+        """The engine's speculative-decoding counts since the last step, onto the counters."""
+        seen = self._seen_spec
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            total = getattr(stats, name)
+            self.metrics.spec_decode(name).inc(total - seen.get(name, 0))
+            seen[name] = total
+        for position, total in enumerate(stats.accepted_per_position):
+            key = ("position", position)
+            self.metrics.spec_decode_accepted_at(position).inc(total - seen.get(key, 0))
+            seen[key] = total
 
 
 def _describe(error: BaseException) -> str:

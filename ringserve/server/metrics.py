@@ -107,6 +107,21 @@ class Metrics:
             ["model_name", "algo"],
             registry=r,
         )
+        # Speculative decoding, vLLM's spec_decode series (engine/speculative.py's counts).
+        self._spec = {
+            name: Counter(f"vllm:spec_decode_{name}", doc, per_replica, registry=r)
+            for name, doc in (
+                ("num_drafts", "Number of spec decoding drafts."),
+                ("num_draft_tokens", "Number of draft tokens."),
+                ("num_accepted_tokens", "Number of accepted tokens."),
+            )
+        }
+        self._spec_per_position = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            [*per_replica, "position"],
+            registry=r,
+        )
 
     def set_cache_config(self, num_blocks: int, block_size: int, cache_dtype: str) -> None:
         """vLLM's `vllm:cache_config_info` (value 1, the cache in its labels): how many blocks of
@@ -177,3 +192,10 @@ class Metrics:
 
     def cp_steps(self, algo: str):
         return self._cp_steps.labels(self.model_name, algo)
+
+    def spec_decode(self, name: str, replica: int = 0):
+        """One of vLLM's spec_decode counters: num_drafts, num_draft_tokens, num_accepted_tokens."""
+        return self._spec[name].labels(self.model_name, str(replica))
+
+    def spec_decode_accepted_at(self, position: int, replica: int = 0):
+        return self._spec_per_position.labels(self.model_name, str(replica), str(position))

@@ -59,6 +59,10 @@ class DataParallelStep:
     def pending(self) -> list[tuple[int, int]]:
         return []  # tokens pending on the device need one rank (async scheduling)
 
+    @property
+    def drafts(self) -> list[tuple[int, int]]:
+        return []  # speculative decoding runs on one replica (engine/speculative.py)
+
     def logit_counts(self, all_logits: bool) -> list[tuple[int, int]]:
         """Per replica, (rows read first, rows read after every replica's first): its sampled
         and scored rows, or with all_logits every new token's row (and none after)."""

@@ -32,24 +32,31 @@ class StepInput:
     # (index among the step's new tokens, row of the previous step's sampled ids): tokens
     # that were sampled on the device and not read by the host yet (async scheduling)
     pending: list[tuple[int, int]] = field(default_factory=list)
+    # (sequence index in this step, d): the sequence's last d new tokens are drafts
+    # (speculative decoding); the logits of its d rows before the last come back too.
+    drafts: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def from_batch(cls, batch, layout: CPLayout | None = None) -> StepInput:
         """The step's message; marks each sequence's blocks as sent to the runners.
         batch: the scheduler's ScheduledBatch (its sequences, and each one's new-token count).
         layout: the block manager's, which speaks for the blocks when there are CP ranks."""
-        rows, token_ids, starts, sample, scored = [], [], [], [], []
+        rows, token_ids, starts, sample, scored, drafts = [], [], [], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            start = seq.num_computed_tokens
+            start, d = seq.num_computed_tokens, len(seq.draft_token_ids)
             rows.append(seq.row)
-            token_ids.append(seq.token_slice(start, start + n))
+            token_ids.append(seq.token_slice(start, start + n - d) + seq.draft_token_ids)
             starts.append(start)
-            sample.append(start + n == seq.num_tokens)
+            sample.append(start + n - d == seq.num_tokens)
+            if d:
+                drafts.append((i, d))
             if seq.prompt_logprobs is not None:
                 first, count = seq.prompt_logits_wanted(start, n)
                 if count:
                     scored.append((i, first, count))
         if layout is not None and layout.num_ranks > 1:
+            if drafts:
+                raise ValueError("speculative decoding does not run under context parallelism yet")
             cp = layout.step(batch.seqs, batch.num_tokens)
             return cls(rows, token_ids, starts, sample, [], cp=cp, scored=scored)
         updates = []
@@ -58,7 +65,7 @@ class StepInput:
                 for group, table in enumerate(seq.block_tables):
                     updates.append((group, seq.row, seq.num_synced_blocks, table[seq.num_synced_blocks :]))
                 seq.num_synced_blocks = len(seq.block_table)
-        return cls(rows, token_ids, starts, sample, updates, scored=scored)
+        return cls(rows, token_ids, starts, sample, updates, scored=scored, drafts=drafts)
 
     @property
     def is_decode(self) -> bool:
@@ -67,10 +74,13 @@ class StepInput:
 
     def logit_rows(self) -> list[int]:
         """Packed new-token rows whose logits the step returns: the last row of each sampling
-        sequence, then the scored rows (in `scored` order)."""
+        sequence, then the scored rows (in `scored` order), then each drafted sequence's rows
+        before its last (in `drafts` order)."""
         ends = list(itertools.accumulate(len(t) for t in self.token_ids))
         rows = [end - 1 for end, sample in zip(ends, self.sample) if sample]
         for i, first, count in self.scored:
             begin = ends[i] - len(self.token_ids[i]) + first
             rows += range(begin, begin + count)
+        for i, d in self.drafts:
+            rows += range(ends[i] - 1 - d, ends[i] - 1)
         return rows

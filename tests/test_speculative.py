@@ -1,0 +1,257 @@
+"""Speculative decoding with prompt lookup (--speculative-config, engine/speculative.py): the
+output is the engine's own without it, token for token, greedy and seeded sampling alike, with
+stops, length limits, logprobs, tensor parallelism and the prefix cache; drafts are checked
+and kept (the counts say so), and the blocks of rejected drafts are reused."""
+
+import pytest
+import torch
+
+from ringserve import LLM, SamplingParams
+from ringserve.config.speculative import SpeculativeConfig
+from ringserve.engine.speculative import kept_run
+
+from helpers import prompts_of_lengths
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+
+
+def copying_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a random phrase, as text that gets copied does: the tiny model's
+    greedy continuations repeat too, so prompt lookup finds drafts, kept and not."""
+    prompts = []
+    for i, phrase in enumerate(prompts_of_lengths([3 + i % 7 for i in range(count)], seed=seed)):
+        prompts.append((phrase * (2 + i % 4))[: 5 + (i * 7) % 40])
+    return prompts
+
+
+def _run(folder, prompts, params, **options):
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, **options) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return outputs, llm.engine.spec_stats
+
+
+def test_greedy_output_equals_the_engine_without_speculation(tiny_model_dir):
+    """100 prompts: the same tokens, drafts kept and rejected along the way."""
+    folder = tiny_model_dir("llama")
+    prompts = copying_prompts(100)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain, _ = _run(folder, prompts, params)
+    spec, stats = _run(folder, prompts, params, speculative_config=NGRAM)
+    assert [list(o.token_ids) for o in spec] == [list(o.token_ids) for o in plain]
+    assert stats.num_drafts > 100 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.accepted_per_position[0] >= stats.accepted_per_position[1] > 0, stats
+
+
+def test_seeded_sampling_equals_the_engine_without_speculation(tiny_model_dir):
+    """Each row of a verified run draws the random numbers of its output position, so seeded
+    requests (several per prompt, as n > 1 makes them) sample the same tokens: the output
+    distribution is the target's, draw for draw."""
+    folder = tiny_model_dir("llama")
+    prompts = copying_prompts(8, seed=3)
+    params = [
+        SamplingParams(max_tokens=20, temperature=t, top_p=p, seed=seed, ignore_eos=True)
+        for seed, (t, p) in enumerate([(0.3, 1.0), (0.7, 0.9), (1.0, 1.0)])
+    ]
+    batch = [p for p in prompts for _ in params]
+    plain, _ = _run(folder, batch, params * len(prompts))
+    spec, stats = _run(folder, batch, params * len(prompts), speculative_config=NGRAM)
+    assert [list(o.token_ids) for o in spec] == [list(o.token_ids) for o in plain]
+    assert stats.num_accepted_tokens > 0
+
+
+def test_stops_and_length_limits_inside_a_kept_run(builtin_dir):
+    """The built-in model copying a passage (long runs of kept drafts): a stop token, a stop
+    string or max_tokens that falls inside a run ends the request where it would without
+    speculation, text, tokens and reason alike."""
+    from ringserve.engine.kv_calibration_text import CALIBRATION_TEXT
+
+    passages = [CALIBRATION_TEXT[i : i + 200] for i in (0, 700)]
+    prompts = [[{"role": "user", "content": "Repeat this text exactly:\n\n" + p}] for p in passages]
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    with LLM(builtin_dir, device="cpu", dtype="float32") as llm:
+        plain = llm.chat(prompts, greedy, use_tqdm=False)
+        cases = []
+        for prompt, out in zip(prompts, plain):
+            tokens = list(out.token_ids)
+            for cut in (9, 17, 26):
+                if tokens[cut] not in tokens[:cut]:
+                    cases.append(
+                        (prompt, SamplingParams(max_tokens=32, temperature=0, stop_token_ids=[tokens[cut]]))
+                    )
+                cases.append((prompt, SamplingParams(max_tokens=cut, temperature=0, ignore_eos=True)))
+            for word in out.text.split()[4:10:3]:
+                cases.append(
+                    (prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, stop=[word]))
+                )
+        prompts, params = zip(*cases)
+        want = llm.chat(list(prompts), list(params), use_tqdm=False)
+    with LLM(builtin_dir, device="cpu", dtype="float32", speculative_config=NGRAM) as llm:
+        got = llm.chat(list(prompts), list(params), use_tqdm=False)
+        stats = llm.engine.spec_stats
+    for a, b in zip(got, want):
+        assert (a.text, list(a.token_ids), a.finish_reason, a.stop_reason) == (
+            b.text,
+            list(b.token_ids),
+            b.finish_reason,
+            b.stop_reason,
+        )
+    assert stats.mean_acceptance_length > 2, stats  # copying: long runs kept
+
+
+def test_logprobs_of_kept_tokens(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    prompt = copying_prompts(3, seed=1)[2]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
+    streams = []
+    for options in ({}, {"speculative_config": NGRAM}):
+        with LLM(folder, device="cpu", dtype="float32", block_size=4, **options) as llm:
+            steps = list(llm.generate_stream([prompt], params))
+            streams.append(
+                ([lp for out in steps for lp in out.new_logprobs or []], list(steps[-1].token_ids))
+            )
+            if options:
+                assert llm.engine.spec_stats.num_accepted_tokens > 0
+                assert len(steps) < len(streams[0][0])  # several tokens in an output
+    (plain, plain_tokens), (spec, spec_tokens) = streams
+    assert spec_tokens == plain_tokens and len(spec) == len(plain) == 20
+    for a, b in zip(spec, plain):
+        assert a.token_id == b.token_id
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_tensor_parallel_verifies_alike(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    prompts = copying_prompts(10, seed=7)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain, _ = _run(folder, prompts, params)
+    spec, stats = _run(folder, prompts, params, speculative_config=NGRAM, tp=2, timeout_s=60)
+    assert [list(o.token_ids) for o in spec] == [list(o.token_ids) for o in plain]
+    assert stats.num_accepted_tokens > 0
+
+
+def test_rejected_drafts_leave_the_prefix_cache_and_blocks_clean(tiny_model_dir):
+    """Rejected drafts' KV stays in blocks the sequence holds but never counts as computed:
+    the prefix cache offers only kept tokens' blocks (a later request that hits them continues
+    as a fresh engine does), and a sequence holds no more blocks than its tokens and one
+    step's drafts need (the rejected ones' slots are written again by the next tokens)."""
+    folder = tiny_model_dir("llama")
+    prompts = copying_prompts(6, seed=9)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, speculative_config=NGRAM) as llm:
+        engine = llm.engine
+        held = []
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+            held += [
+                (len(seq.block_table), seq.num_tokens) for seq in engine.scheduler.running if seq.block_tables
+            ]
+        assert engine.spec_stats.num_accepted_tokens < engine.spec_stats.num_draft_tokens  # some rejected
+        assert all(blocks <= -(-(tokens + 4) // 4) for blocks, tokens in held)
+        first = llm.generate(prompts, params, use_tqdm=False)
+        follow = [list(p) + list(o.token_ids)[:17] for p, o in zip(prompts, first)]
+        hits = llm.generate(
+            follow, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False
+        )
+        assert all(o.num_cached_tokens >= 16 for o in hits)
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, enable_prefix_caching=False) as llm:
+        fresh = llm.generate(
+            follow, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False
+        )
+    assert [list(o.token_ids) for o in hits] == [list(o.token_ids) for o in fresh]
+
+
+def test_kept_run_is_the_sampled_tokens_up_to_the_first_miss():
+    assert kept_run([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert kept_run([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
+    assert kept_run([5, 6, 7], [4, 6, 7, 8]) == [4]
+    assert kept_run([], [3]) == [3]
+
+
+def test_speculative_config_parses_as_vllm_does():
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 4, 4)
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2}').prompt_lookup_max == 5
+    assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse({}) is None
+    with pytest.raises(ValueError, match="not supported yet"):
+        SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 3})
+
+
+def test_speculation_is_off_with_a_warning_under_data_parallelism(tiny_model_dir, caplog):
+    with LLM(
+        tiny_model_dir("llama"), device="cpu", dtype="float32", dp=2, speculative_config=NGRAM, timeout_s=60
+    ) as llm:
+        assert llm.engine.drafter is None
+        out = llm.generate(
+            [copying_prompts(1)[0]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False
+        )
+        assert len(out[0].token_ids) == 4
+    assert "speculative decoding is off" in caplog.text
+
+
+def test_sampling_positions_key_the_draws():
+    """A verified run's row at position i draws what the plain engine draws i tokens later."""
+    from ringserve.engine.sampler import SamplingTensors
+    from ringserve.engine.sequence import Sequence
+
+    seq = Sequence("a", [1, 2, 3], SamplingParams(temperature=1.0, seed=7))
+    later = Sequence("b", [1, 2, 3], SamplingParams(temperature=1.0, seed=7))
+    later.output_token_ids = [9, 9]
+    spec = SamplingTensors.from_seqs([seq, seq, seq], "cpu", 256, positions=[0, 1, 2])
+    plain = SamplingTensors.from_seqs([later], "cpu", 256)
+    assert torch.equal(spec.key[2:], plain.key) and not torch.equal(spec.key[:1], plain.key)
+
+
+def test_server_streams_kept_runs_and_counts_them(builtin_dir):
+    """Served: a streamed chat completion carries the kept runs (several tokens a chunk) and
+    its text is the engine's without speculation; /metrics has vLLM's spec_decode counters."""
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ringserve.benchmarks.serve import ServerInfo, spec_decode_counts, spec_decode_summary
+    from ringserve.engine.engine import LLMEngine
+    from ringserve.engine.kv_calibration_text import CALIBRATION_TEXT
+    from ringserve.options import EngineOptions
+    from ringserve.server import build_app
+
+    from helpers import serve_in_thread
+
+    messages = [{"role": "user", "content": "Repeat this text exactly:\n\n" + CALIBRATION_TEXT[:200]}]
+    with LLM(builtin_dir, device="cpu", dtype="float32") as llm:
+        want = llm.chat([messages], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0].text
+    options = EngineOptions(model=builtin_dir, device="cpu", dtype="float32", speculative_config=NGRAM)
+    engine = LLMEngine.from_options(options)
+    try:
+        with serve_in_thread(build_app(engine, "m")) as url:
+            server = ServerInfo(url, {}, "m", None, {})
+            before = spec_decode_counts(server) or {}
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            stream = client.chat.completions.create(
+                model="m", messages=messages, max_tokens=24, temperature=0, stream=True
+            )
+            chunks = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+            import httpx2 as httpx
+
+            text = httpx.get(url + "/metrics").text
+            bench = spec_decode_summary(before, spec_decode_counts(server))  # as `ringserve bench serve`
+        counters = {
+            s.name: s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name.startswith("vllm:spec_decode") and s.labels.get("position", "0") == "0"
+        }
+        stats = engine.spec_stats
+    finally:
+        engine.close()
+    assert "".join(chunks) == want
+    assert len(chunks) < 24  # runs of kept drafts arrive together
+    assert counters["vllm:spec_decode_num_drafts_total"] == stats.num_drafts > 0
+    assert counters["vllm:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
+    assert counters["vllm:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens > 0
+    assert counters["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == stats.accepted_per_position[0]
+    assert bench["spec_decode_acceptance_length"] == pytest.approx(stats.mean_acceptance_length)
+    assert bench["spec_decode_acceptance_rate"] == pytest.approx(
+        stats.num_accepted_tokens / stats.num_draft_tokens
+    )

@@ -255,3 +255,30 @@ def test_server_streams_kept_runs_and_counts_them(builtin_dir):
     assert bench["spec_decode_acceptance_rate"] == pytest.approx(
         stats.num_accepted_tokens / stats.num_draft_tokens
     )
+
+
+def test_drafts_adapt_to_what_a_sequence_keeps():
+    """One more draft than a sequence's running average kept, up to k: text that stopped
+    copying gets a single draft a step, text that copies again gets k back."""
+    from ringserve.engine.sequence import Sequence
+    from ringserve.engine.speculative import NgramDrafter
+
+    drafter = NgramDrafter(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4}))
+    seq = Sequence("a", [1, 2, 3, 4, 5, 6] * 4, SamplingParams(max_tokens=100, temperature=0))
+    seq.num_computed_tokens = seq.num_tokens - 1  # decoding: its last token next
+    lengths = []
+    for kept in (0, 0, 0, 0, 4, 4, 4):
+        lengths.append(len(drafter.propose(seq, 1000)))
+        drafter.record(seq, kept)
+    assert lengths == [4, 3, 2, 1, 1, 3, 4]
+
+
+def test_no_drafts_at_disable_by_batch_size(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    config = (
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 3}'
+    )
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    _, crowded = _run(folder, copying_prompts(4), params, speculative_config=config)
+    _, alone = _run(folder, copying_prompts(2), params, speculative_config=config)
+    assert crowded.num_drafts == 0 and alone.num_drafts > 0

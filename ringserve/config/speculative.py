@@ -3,8 +3,10 @@ option, its JSON object and field names).
 
 Methods: "ngram" (prompt lookup: engine/ngram_proposer.py), `num_speculative_tokens` drafts
 a step at most, from n-grams of `prompt_lookup_min` .. `prompt_lookup_max` tokens (as vLLM:
-either one alone sets both; neither: 5). Draft models and EAGLE heads are not built yet:
-asking for them is refused by name.
+either one alone sets both; neither: 5). `disable_by_batch_size` (vLLM's): no drafts in a
+step while at least that many sequences run (a verify step is no longer nearly free when the
+batch already fills the GPU). Draft models and EAGLE heads are not built yet: asking for them
+is refused by name.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -48,12 +51,14 @@ class SpeculativeConfig:
         k = fields.pop("num_speculative_tokens", None)
         low = fields.pop("prompt_lookup_min", None)
         high = fields.pop("prompt_lookup_max", None)
+        batch = fields.pop("disable_by_batch_size", None)
         if fields:
             raise ValueError(f"unknown field(s) {sorted(fields)} for method {method!r}")
         for name, number in (
             ("num_speculative_tokens", k),
             ("prompt_lookup_min", low),
             ("prompt_lookup_max", high),
+            ("disable_by_batch_size", batch),
         ):
             if number is not None and (not isinstance(number, int) or isinstance(number, bool) or number < 1):
                 raise ValueError(f"{name} must be a positive integer, got {number!r}")
@@ -62,7 +67,7 @@ class SpeculativeConfig:
         low, high = (low or high or _DEFAULT_NGRAM), (high or low or _DEFAULT_NGRAM)
         if low > high:
             raise ValueError(f"prompt_lookup_min ({low}) must not exceed prompt_lookup_max ({high})")
-        return cls(method, k, low, high)
+        return cls(method, k, low, high, batch)
 
 
 _EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'

@@ -309,8 +309,7 @@ class LLMEngine:
         outputs, self._undelivered = self._undelivered, []
         inflight = self._inflight
         if self.drafter is not None:  # no step in flight: every running sequence's tokens are read
-            for seq in self.scheduler.running:
-                seq.draft_token_ids = self.drafter.propose(seq, self.max_model_len)
+            self.drafter.propose_all(self.scheduler.running, self.max_model_len)
         try:
             batch = self.scheduler.schedule()
         except RequestTooLargeError as e:  # that request alone fails; the others go on
@@ -456,6 +455,7 @@ class LLMEngine:
                         break
                 if drafts:
                     self.spec_stats.record(len(drafts), len(run) - 1)
+                    self.drafter.record(seq, len(run) - 1)
                     seq.draft_token_ids = []
                 if seq.finish_reason is not None:
                     self.scheduler.finish(seq)

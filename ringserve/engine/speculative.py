@@ -14,7 +14,10 @@ the drafts, and at temperature 0 the same tokens as without speculation.
 
 Drafts go only to sequences whose sampling does not depend on the tokens before it within
 the run (no penalties, bad words, grammar, or min_tokens still pending), up to the request's
-max_tokens and the context limit. The KV written for rejected drafts is left where it is:
+max_tokens and the context limit, and none while disable_by_batch_size sequences or more run.
+How many a sequence gets adapts to how many it has been keeping: one more than a running
+average of its kept drafts (halved each run), up to num_speculative_tokens, so text that
+stopped copying costs one wasted row a step, not k, and text that copies again soon gets k. The KV written for rejected drafts is left where it is:
 those positions are not counted as computed, no prefix-cache block holds them, and the next
 tokens overwrite them in the same blocks.
 """
@@ -36,11 +39,26 @@ class NgramDrafter:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self._index: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
+        # a sequence's running average of drafts kept per verified run (starts at k)
+        self._kept: weakref.WeakKeyDictionary[Sequence, float] = weakref.WeakKeyDictionary()
+
+    def propose_all(self, running: list[Sequence], max_context: int) -> None:
+        """Set each running sequence's drafts for the next step (none for any while the batch
+        is at disable_by_batch_size)."""
+        limit = self.config.disable_by_batch_size
+        off = limit is not None and len(running) >= limit
+        for seq in running:
+            seq.draft_token_ids = [] if off else self.propose(seq, max_context)
+
+    def record(self, seq: Sequence, num_kept: int) -> None:
+        """A verified run of seq kept num_kept drafts: its next runs' length follows."""
+        self._kept[seq] = (self._kept.get(seq, self.config.num_speculative_tokens) + num_kept) / 2
 
     def propose(self, seq: Sequence, max_context: int) -> list[int]:
         """Drafts for seq's next step: [] unless it decodes (one token to compute) and may
-        take them (the module docstring); at most num_speculative_tokens, and no more than
-        its max_tokens and max_context (the longest sequence) leave room for."""
+        take them (the module docstring); at most num_speculative_tokens, one more than its
+        running average kept, and no more than its max_tokens and max_context (the longest
+        sequence) leave room for."""
         p = seq.params
         if (
             seq.num_uncomputed_tokens != 1
@@ -54,7 +72,8 @@ class NgramDrafter:
             return []
         # The verified run keeps up to drafts + 1 tokens.
         room = min(p.max_tokens - len(seq.output_token_ids), max_context - seq.num_tokens) - 1
-        k = min(self.config.num_speculative_tokens, room)
+        kept = self._kept.get(seq, self.config.num_speculative_tokens)
+        k = min(self.config.num_speculative_tokens, round(kept) + 1, room)
         if k <= 0:
             return []
         index = self._index.get(seq)

@@ -283,7 +283,7 @@ def test_metrics_carry_each_replicas_label():
             running=[0] * running, waiting=[0] * waiting, block_manager=blocks, num_preemptions=preemptions
         )
 
-    engine = SimpleNamespace(replicas=[replica(3, 1, 2, 0), replica(0, 0, 8, 2)], cp_steps={})
+    engine = SimpleNamespace(replicas=[replica(3, 1, 2, 0), replica(0, 0, 8, 2)], cp_steps={}, drafter=None)
     metrics = Metrics("m")
     AsyncEngine(engine, metrics=metrics)._update_gauges({})
     values = {

@@ -282,3 +282,39 @@ def test_no_drafts_at_disable_by_batch_size(tiny_model_dir):
     _, crowded = _run(folder, copying_prompts(4), params, speculative_config=config)
     _, alone = _run(folder, copying_prompts(2), params, speculative_config=config)
     assert crowded.num_drafts == 0 and alone.num_drafts > 0
+
+
+def test_structured_output_masks_each_position_of_a_run(builtin_dir):
+    """A JSON schema with drafts: each row of a run is masked by the grammar after the drafts
+    before it, drafts the grammar refuses are cut, and the output (greedy, and seeded
+    sampling) is the engine's without speculation, valid against the schema."""
+    import json
+
+    import jsonschema
+
+    from ringserve.sampling_params import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"type": "string"}, "maxItems": 6}},
+        "required": ["items"],
+        "additionalProperties": False,
+    }
+    record = json.dumps({"items": ["red apple", "green pear", "yellow lemon", "red cherry"]})
+    messages = [[{"role": "user", "content": f"Repeat this JSON exactly, nothing else:\n{record}"}]] * 3
+    params = [
+        SamplingParams(
+            max_tokens=60, temperature=t, seed=s, structured_outputs=StructuredOutputsParams(json=schema)
+        )
+        for t, s in ((0.0, 0), (0.8, 1), (1.0, 2))
+    ]
+    outputs = []
+    for options in ({}, {"speculative_config": NGRAM}):
+        with LLM(builtin_dir, device="cpu", dtype="float32", **options) as llm:
+            outputs.append(llm.chat(messages, params, use_tqdm=False))
+            stats = llm.engine.spec_stats
+    plain, spec = outputs
+    assert [o.text for o in spec] == [o.text for o in plain]
+    for out in spec:
+        jsonschema.validate(json.loads(out.text), schema)
+    assert stats.num_accepted_tokens > 10, stats

@@ -369,8 +369,6 @@ class LLMEngine:
         logits = logits[:num_sampling] if not no_token else logits[keep]
         sampling = [sampling[i] for i in keep]
         pending = _pending_tokens(sampling, inflight)
-        if any(seq.grammar is not None for seq in sampling):  # masked before the logprobs, as vLLM
-            logits = self._constrain(logits, sampling, pending)
         self.logits_adjuster.release_finished(self.seqs)
         # A drafted sequence has a row per position of its run (speculative.py), sampled as
         # the token at that position: its drafts' rows, then its own. row_seqs [rows]: whose.
@@ -379,6 +377,8 @@ class LLMEngine:
             logits = _with_draft_rows(logits, sampling, draft_logits, batch, step)
         row_seqs = [seq for seq, d in zip(sampling, drafts) for _ in range(len(d) + 1)]
         positions = [i for d in drafts for i in range(len(d) + 1)] if step.drafts else None
+        if any(seq.grammar is not None for seq in sampling):  # masked before the logprobs, as vLLM
+            logits = self._constrain(logits, sampling, row_seqs, positions, pending)
         # logits stay raw for the logprobs (vLLM's default); the tokens come from the adjusted
         tokens, kept, errors = _sample_or_blame(logits, row_seqs, self.logits_adjuster, pending, positions)
         failed = list({id(row_seqs[i]): (row_seqs[i], e) for i, e in errors.items()}.values())
@@ -394,17 +394,29 @@ class LLMEngine:
         return LaunchedStep(batch, sampling, tokens, logprobs, no_token, failed, drafts)
 
     def _constrain(
-        self, logits: torch.Tensor, sampling: list[Sequence], pending: dict[str, int]
+        self,
+        logits: torch.Tensor,
+        sampling: list[Sequence],
+        row_seqs: list[Sequence],
+        positions: list[int] | None,
+        pending: dict[str, int],
     ) -> torch.Tensor:
-        """logits [S, V] -> the disallowed tokens of the rows with a grammar at -inf. Each
-        grammar first takes the tokens it has not seen (the last one maybe from `pending`)."""
-        rows = [i for i, seq in enumerate(sampling) if seq.grammar is not None]
-        grammars = [sampling[i].grammar for i in rows]
+        """logits [rows, V] (row_seqs: whose; positions: each row's place in a drafted run)
+        -> the disallowed tokens of the rows with a grammar at -inf. Each grammar first takes
+        the tokens it has not seen (the last one maybe from `pending`); a drafted run's row i
+        is masked by the grammar as it stands after the run's first i drafts."""
+        constrained = [seq for seq in sampling if seq.grammar is not None]
         new_tokens = [
-            sampling[i].grammar.new_tokens(sampling[i].output_token_ids, pending.get(sampling[i].request_id))
+            seq.grammar.new_tokens(seq.output_token_ids, pending.get(seq.request_id)) for seq in constrained
+        ]
+        self.grammar_masks.advance([seq.grammar for seq in constrained], new_tokens)
+        rows = [i for i, seq in enumerate(row_seqs) if seq.grammar is not None]
+        grammars = [
+            row_seqs[i].grammar.after(row_seqs[i].draft_token_ids[: positions[i]])
+            if positions
+            else row_seqs[i].grammar
             for i in rows
         ]
-        self.grammar_masks.advance(grammars, new_tokens)
         return self.grammar_masks.apply(logits, rows, grammars)
 
     def _commit(self, launched: LaunchedStep) -> list[RequestOutput]:

@@ -12,8 +12,10 @@ rejection rule: a draft d is kept with probability p(d), and otherwise the token
 without d, renormalised; together, exactly p. So the output is the target model's whatever
 the drafts, and at temperature 0 the same tokens as without speculation.
 
-Drafts go only to sequences whose sampling does not depend on the tokens before it within
-the run (no penalties, bad words, grammar, or min_tokens still pending), up to the request's
+Structured output: drafts are cut where the grammar stops allowing them, and row i of a run
+is masked by the grammar as it stands after the run's first i drafts (a copy that took them).
+Drafts go only to sequences whose other sampling adjustments do not depend on the tokens
+before it within the run (no penalties, bad words, or min_tokens still pending), up to the request's
 max_tokens and the context limit, and none while disable_by_batch_size sequences or more run.
 How many a sequence gets adapts to how many it has been keeping: one more than a running
 average of its kept drafts (halved each run), up to num_speculative_tokens, so text that
@@ -63,7 +65,6 @@ class NgramDrafter:
         if (
             seq.num_uncomputed_tokens != 1
             or seq.ends_when_read
-            or seq.grammar is not None
             or p.penalized
             or seq.bad_words_ids
             or len(seq.output_token_ids) < p.min_tokens
@@ -82,7 +83,10 @@ class NgramDrafter:
                 self.config.prompt_lookup_min, self.config.prompt_lookup_max
             )
         index.extend(seq.token_slice(len(index.tokens), seq.num_tokens))
-        return index.propose(k)
+        drafts = index.propose(k)
+        if seq.grammar is not None and drafts:  # only what the grammar allows can be kept
+            del drafts[seq.grammar.valid_prefix(seq.output_token_ids, drafts) :]
+        return drafts
 
 
 def kept_run(drafts: list[int], sampled: list[int]) -> list[int]:

@@ -118,6 +118,21 @@ class Grammar:
             self.matcher.consume_tokens(tokens)
         self.num_consumed += len(tokens)
 
+    def valid_prefix(self, output_token_ids: list[int], tokens: list[int]) -> int:
+        """How many of `tokens` (drafts) the grammar takes after the output so far (which it
+        consumes first); the grammar itself does not take them."""
+        self.advance(output_token_ids)
+        return 0 if self.matcher.is_error() else self.matcher.validate_tokens(tokens)
+
+    def after(self, tokens: list[int]) -> Grammar:
+        """This grammar (no tokens), or a copy that took `tokens` too: a drafted run's row is
+        masked as the grammar stands after the drafts before it."""
+        if not tokens:
+            return self
+        copy = Grammar(self.matcher.deep_copy())
+        copy.matcher.consume_tokens(tokens)
+        return copy
+
     @property
     def done(self) -> bool:
         """Nothing more may follow (the grammar is complete and admits no continuation)."""

@@ -1100,6 +1100,7 @@ class FakeEngine:
         blocks = SimpleNamespace(num_free_blocks=8, num_blocks=8)
         self.replicas = [SimpleNamespace(running=[], waiting=[], num_preemptions=0, block_manager=blocks)]
         self.cp_steps = {}
+        self.drafter = None  # no speculative decoding
         self.dead: BaseException | None = None  # what check_health raises (a rank died)
         self.input_processor = FakeInputProcessor()
 

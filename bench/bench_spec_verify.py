@@ -6,7 +6,7 @@ tokens whose first 1K are in the prefix cache, which is what is timed here (rand
 keep no drafts, so the engine's own verify steps are timed by shape). The decode step is
 the engine's (CUDA graph) at the same context.
 
-  python bench/bench_spec_verify.py [--context 1024] [--k 4] [--batch 1 16] [--out DIR]
+  python bench/bench_spec_verify.py [--context 1024] [--k 4] [--batch 1 16] [--eager] [--out DIR]
 """
 
 from __future__ import annotations
@@ -37,13 +37,16 @@ def main():
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--k", type=int, nargs="*", default=[4])
     parser.add_argument("--batch", type=int, nargs="*", default=[1, 16])
+    parser.add_argument(
+        "--eager", action="store_true", help="no CUDA graphs for decode either (enforce_eager)"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     from ringserve.engine.engine import LLMEngine
 
     device = torch.device("cuda")
     folder, weights = random_llama3_8b()
-    config = EngineConfig(max_model_len=args.context + 256, kv_cache_memory=8 << 30)
+    config = EngineConfig(max_model_len=args.context + 256, kv_cache_memory=8 << 30, enforce_eager=args.eager)
     engine = LLMEngine(folder, device=device, dtype=torch.bfloat16, engine_config=config, weights=weights)
     result = {"machine": machine_info(), "args": vars(args), "decode_ms": {}, "verify_ms": {}}
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)

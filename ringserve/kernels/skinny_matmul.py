@@ -254,12 +254,11 @@ def skinny_plan(
     n, k = weight.shape
     props = torch.cuda.get_device_properties(x.device.index or 0)  # cached by torch
     # Hopper, where the gated tile was measured to run four programs a multiprocessor
-    resident = 4 if props.major == 9 else 0
-    return _plan(n, k, props.multi_processor_count, gated, resident, fp8=weight.dtype == FP8_DTYPE)
+    return _plan(n, k, props.multi_processor_count, gated, resident=4 if props.major == 9 else 0)
 
 
 def _plan(
-    n: int, k: int, multiprocessors: int, gated: bool = False, resident: int = 0, fp8: bool = False
+    n: int, k: int, multiprocessors: int, gated: bool = False, resident: int = 0
 ) -> tuple[int, int, int, int] | None:
     """(BLOCK_N, BLOCK_K, num_stages, columns a program writes), from the sweeps in
     bench/bench_decode_chain.py (H200, Llama-3-8B's shapes): 32 columns and K in 512s where N
@@ -271,24 +270,15 @@ def _plan(
     `resident` programs a multiprocessor holds at once (4 on an H200; 0: unknown, whole
     tiles): Llama-3-8B's 14336 in 512 programs of 28, not 448 of 32 (the tile's other rows
     masked off), 0.01-0.03 ms a step faster in the chain; 531 or more programs (a second
-    wave) were slower.
-
-    fp8 (e4m3 weights, a byte a value): K twice as long a tile for the wider shapes (the
-    same bytes in flight as bf16's), six stages where N is at most 4096, from
-    bench/bench_fp8_skinny.py (H100, 32 layers' weights in a graph, batch 1: q/k/v 12.9 ->
-    11.9 us, o 9.4 -> 9.2, gate/up 42.9 -> 42.0, down 24.2 -> 23.5 against bf16's tiles)."""
+    wave) were slower."""
     block_n = 32 if n <= 4096 else 64
     if triton.cdiv(n, block_n) < multiprocessors // 3:
         return None
     preferred = 512 if n <= 4096 else 256 if n <= 8192 else 128
-    if fp8 and n > 4096:
-        preferred *= 2
     block_k = next((b for b in (preferred, 256, 128, 64) if b <= preferred and k % b == 0), None)
     if block_k is None or (gated and n % 2):
         return None
-    stages = (6 if fp8 and n <= 4096 else 4) if block_k >= 256 else 3
-    if fp8 and n > 4096:
-        stages = 3
+    stages = 4 if block_k >= 256 else 3
     if not gated:
         return block_n, block_k, stages, block_n
     # the same rows in flight per program, half of them gate rows, half up rows

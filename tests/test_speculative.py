@@ -318,3 +318,30 @@ def test_structured_output_masks_each_position_of_a_run(builtin_dir):
     for out in spec:
         jsonschema.validate(json.loads(out.text), schema)
     assert stats.num_accepted_tokens > 10, stats
+
+
+def test_verify_steps_replay_the_decode_graphs(tiny_model_dir):
+    """A verify step runs through the decode graphs' path (each new token a decode row of
+    its own: its sequence's block table, its position, the keys up to it), here eagerly on
+    the CPU: the same tokens as without speculation, and verify steps did take that path."""
+    from ringserve.worker.graphs import DecodeGraphs
+
+    folder = tiny_model_dir("llama")
+    prompts = copying_prompts(6, seed=11)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    plain, _ = _run(folder, prompts, params)
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, speculative_config=NGRAM) as llm:
+        runner = llm.engine.executor.worker.runner
+        runner.graphs = graphs = DecodeGraphs(runner, max_batch=32, capture=False)
+        verified = []
+        run = graphs.run
+
+        def spy(step, pending_tokens=None):
+            verified.append(step.is_verify)
+            return run(step, pending_tokens)
+
+        graphs.run = spy
+        spec = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert [list(o.token_ids) for o in spec] == [list(o.token_ids) for o in plain]
+    assert sum(verified) >= 3 and not all(verified)

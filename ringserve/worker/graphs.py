@@ -11,6 +11,11 @@ one loop step of the paged kernel (PagedBatch.one_block): its cached keys are re
 the kernel before it runs (about -0.05 ms a step at batch 1 in bench_decode_chain,
 BENCHMARKS.md).
 
+A speculative-decoding verify step (StepInput.is_verify) replays the same graphs: each of a
+sequence's new tokens (its last one and its drafts) is a decode row of its own, with the
+sequence's block-table row, its own position, and the keys up to it, so the rows of one
+sequence see each other causally (all of their K/V are written before attention reads).
+
 Without capture (CPU, or to test the padding) `run` calls the same padded forward eagerly.
 """
 
@@ -53,7 +58,7 @@ class DecodeGraphs:
             self._capture_all()
 
     def fits(self, step) -> bool:
-        return len(step.rows) <= self.buckets[-1]
+        return sum(len(tokens) for tokens in step.token_ids) <= self.buckets[-1]
 
     def graph_key(self, batch: int, longest: int) -> tuple[int, bool]:
         """(bucket, one_block) that runs a decode step of `batch` sequences, the longest of
@@ -90,16 +95,19 @@ class DecodeGraphs:
         self.inputs[2, first:b] = self.runner.block_tables.pad_row
 
     def run(self, step, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, V] of a decode step (block tables already updated); pending_tokens:
-        the previous step's sampled ids, for the rows step.pending names."""
-        n = len(step.rows)
-        b, one_block = self.graph_key(n, max(step.starts) + 1)
+        """Logits [new tokens, V] of a decode or verify step (block tables already updated);
+        pending_tokens: the previous step's sampled ids, for the rows step.pending names."""
+        positions = [
+            start + j for start, tokens in zip(step.starts, step.token_ids) for j in range(len(tokens))
+        ]
+        n = len(positions)
+        b, one_block = self.graph_key(n, max(positions) + 1)
         # One upload: the four input rows, then the (index, sampled row) pairs of step.pending.
         host = torch.tensor(
-            [tokens[0] for tokens in step.token_ids]
-            + step.starts
-            + step.rows
-            + [start + 1 for start in step.starts]
+            [token for tokens in step.token_ids for token in tokens]
+            + positions
+            + [row for row, tokens in zip(step.rows, step.token_ids) for _ in tokens]
+            + [position + 1 for position in positions]
             + [i for pair in step.pending for i in pair],
             dtype=torch.int64,
         )

@@ -284,9 +284,17 @@ class ModelRunner:
         """Logits [S + R, V] float32: the S sequences that sample this step, then the R rows
         of step.scored (all_logits: [T, V] for every new token, for checks). pending_tokens:
         the previous step's sampled ids [S'] on the device, which step.pending points into."""
-        if self.graphs is not None and not all_logits and step.is_decode and self.graphs.fits(step):
+        if (
+            self.graphs is not None
+            and not all_logits
+            and (step.is_decode or step.is_verify)
+            and self.graphs.fits(step)
+        ):
             self._apply_table_updates(step)
-            return self.graphs.run(step, pending_tokens)
+            logits = self.graphs.run(step, pending_tokens)  # [new tokens, V]
+            if step.is_verify:  # the rows the engine reads, in logit_rows order (a copy)
+                logits = logits[torch.tensor(step.logit_rows(), device=logits.device)]
+            return logits
         input_ids, positions, ctx, logit_rows = self.prepare(step, pending_tokens)
         hidden = self.model(input_ids, positions, ctx)
         logits = self._gather_vocab(self.model.compute_logits(hidden if all_logits else hidden[logit_rows]))

@@ -72,6 +72,20 @@ class StepInput:
         """One new token per sequence, every one sampling: the shape CUDA graphs replay."""
         return all(len(t) == 1 for t in self.token_ids) and all(self.sample) and not self.scored
 
+    @property
+    def is_verify(self) -> bool:
+        """A decode step whose drafted sequences also check their drafts (speculative
+        decoding): each sequence's new tokens are its last one and its drafts. Every new token
+        then runs as a decode row of its own (the graphs' shape): the sequence's block table,
+        its position, and the keys up to it."""
+        drafted = dict(self.drafts)
+        return (
+            bool(self.drafts)
+            and all(len(t) == 1 + drafted.get(i, 0) for i, t in enumerate(self.token_ids))
+            and all(self.sample)
+            and not self.scored
+        )
+
     def logit_rows(self) -> list[int]:
         """Packed new-token rows whose logits the step returns: the last row of each sampling
         sequence, then the scored rows (in `scored` order), then each drafted sequence's rows

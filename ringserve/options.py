@@ -150,8 +150,8 @@ class EngineOptions:
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} guesses up to 4 '
         "tokens a step from the latest earlier occurrence of the last n-gram (n from "
         "prompt_lookup_min to prompt_lookup_max) and checks them in one forward pass; the output "
-        "is the same as without it. One replica without context parallelism (dp=1, cp=1); steps "
-        "with drafts run without CUDA graphs and without async scheduling",
+        "is the same as without it. One replica without context parallelism (dp=1, cp=1), "
+        "without async scheduling",
     )
     enforce_eager: bool = _opt(
         False, "no CUDA graphs: decode steps launch their kernels from Python (slower; for debugging)"

@@ -345,3 +345,17 @@ def test_verify_steps_replay_the_decode_graphs(tiny_model_dir):
         assert llm.engine.spec_stats.num_accepted_tokens > 0
     assert [list(o.token_ids) for o in spec] == [list(o.token_ids) for o in plain]
     assert sum(verified) >= 3 and not all(verified)
+
+
+def test_preemption_under_speculation(tiny_model_dir):
+    """Too few blocks for every sequence and its drafts: sequences are preempted and
+    recomputed, drafts and all, and the output is still the engine's without speculation."""
+    folder = tiny_model_dir("llama")
+    prompts = copying_prompts(8, seed=13)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain, _ = _run(folder, prompts, params)
+    options = dict(block_size=4, num_blocks=30, max_model_len=96, speculative_config=NGRAM)
+    with LLM(folder, device="cpu", dtype="float32", **options) as llm:
+        spec = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.num_preemptions > 0 and llm.engine.spec_stats.num_accepted_tokens > 0
+    assert [list(o.token_ids) for o in spec] == [list(o.token_ids) for o in plain]

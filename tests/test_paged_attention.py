@@ -308,7 +308,7 @@ def test_decode_graph_is_chosen_by_the_keys_after_the_step(llama_engine):
     graphs._forward = forward
     for starts in ([limit - 1], [limit], [limit - 1, 5], [5, limit]):
         step = SimpleNamespace(
-            rows=list(range(len(starts))), token_ids=[[1]] * len(starts), starts=starts, pending=[]
+            rows=list(range(len(starts))), token_ids=[[1]] * len(starts), starts=starts, pending=[], drafts=[]
         )
         graphs.run(step)
     assert chosen == [(1, True), (1, False), (2, True), (2, False)]

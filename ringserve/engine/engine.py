@@ -372,11 +372,12 @@ class LLMEngine:
         self.logits_adjuster.release_finished(self.seqs)
         # A drafted sequence has a row per position of its run (speculative.py), sampled as
         # the token at that position: its drafts' rows, then its own. row_seqs [rows]: whose.
-        drafts = [list(seq.draft_token_ids) for seq in sampling]
+        drafts, row_seqs, positions = None, sampling, None  # a row per sequence
         if step.drafts:
+            drafts = [list(seq.draft_token_ids) for seq in sampling]
             logits = _with_draft_rows(logits, sampling, draft_logits, batch, step)
-        row_seqs = [seq for seq, d in zip(sampling, drafts) for _ in range(len(d) + 1)]
-        positions = [i for d in drafts for i in range(len(d) + 1)] if step.drafts else None
+            row_seqs = [seq for seq, d in zip(sampling, drafts) for _ in range(len(d) + 1)]
+            positions = [i for d in drafts for i in range(len(d) + 1)]
         if any(seq.grammar is not None for seq in sampling):  # masked before the logprobs, as vLLM
             logits = self._constrain(logits, sampling, row_seqs, positions, pending)
         # logits stay raw for the logprobs (vLLM's default); the tokens come from the adjusted
@@ -387,7 +388,8 @@ class LLMEngine:
             rows = [i for i in kept if id(row_seqs[i]) not in gone]
             tokens = tokens[[kept.index(i) for i in rows]]
             logits, row_seqs = logits[rows], [row_seqs[i] for i in rows]
-            drafts = [d for seq, d in zip(sampling, drafts) if id(seq) not in gone]
+            if drafts is not None:
+                drafts = [d for seq, d in zip(sampling, drafts) if id(seq) not in gone]
             sampling = [seq for seq in sampling if id(seq) not in gone]
         self.logits_adjuster.record(row_seqs, tokens)
         logprobs = _sampled_logprobs(logits, row_seqs, tokens)
@@ -447,7 +449,7 @@ class LLMEngine:
         now = time.monotonic()
         outputs = []
         first = 0  # the sequence's first row of tokens
-        for seq, drafts in zip(launched.sampling, launched.drafts):
+        for seq, drafts in zip(launched.sampling, launched.drafts or itertools.repeat(())):
             rows = slice(first, first + len(drafts) + 1)
             first = rows.stop
             if seq.finished:  # ended while its step ran: the token computed past its end is dropped

@@ -33,9 +33,10 @@ class LaunchedStep:
 
     def __post_init__(self):
         if self.drafts is None:
-            self.drafts = [[] for _ in self.sampling]
-        ends = itertools.accumulate(len(d) + 1 for d in self.drafts)
-        self.row_of = {seq.request_id: end - 1 for seq, end in zip(self.sampling, ends)}
+            self.row_of = {seq.request_id: i for i, seq in enumerate(self.sampling)}
+        else:
+            ends = itertools.accumulate(len(d) + 1 for d in self.drafts)
+            self.row_of = {seq.request_id: end - 1 for seq, end in zip(self.sampling, ends)}
         if self.tokens.is_cuda:  # start the copy now; read_tokens waits for it alone
             self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
             self._host.copy_(self.tokens, non_blocking=True)

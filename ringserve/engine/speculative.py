@@ -14,14 +14,18 @@ the drafts, and at temperature 0 the same tokens as without speculation.
 
 Structured output: drafts are cut where the grammar stops allowing them, and row i of a run
 is masked by the grammar as it stands after the run's first i drafts (a copy that took them).
+
 Drafts go only to sequences whose other sampling adjustments do not depend on the tokens
-before it within the run (no penalties, bad words, or min_tokens still pending), up to the request's
-max_tokens and the context limit, and none while disable_by_batch_size sequences or more run.
-How many a sequence gets adapts to how many it has been keeping: one more than a running
-average of its kept drafts (halved each run), up to num_speculative_tokens, so text that
-stopped copying costs one wasted row a step, not k, and text that copies again soon gets k. The KV written for rejected drafts is left where it is:
-those positions are not counted as computed, no prefix-cache block holds them, and the next
-tokens overwrite them in the same blocks.
+before a position within the run (no penalties, bad words, or min_tokens still pending), up
+to the request's max_tokens and the context limit, and none while disable_by_batch_size
+sequences or more run. How many a sequence gets adapts to how many it has been keeping: one
+more than a running average of its kept drafts (halved each run), up to
+num_speculative_tokens, so text that stopped copying costs one wasted row a step, not k, and
+text that copies again soon gets k.
+
+The KV written for rejected drafts is left where it is: those positions are not counted as
+computed, no prefix-cache block holds them, and the next tokens overwrite them in the same
+blocks.
 """
 
 from __future__ import annotations

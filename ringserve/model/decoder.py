@@ -35,6 +35,7 @@ from ringserve.kernels.skinny_matmul import (
     fp8_matmul,
     gated_linear,
     linear,
+    quantize_rows,
 )
 from ringserve.model.fused_moe import GptOssMoeBlock, Llama4MoeBlock
 
@@ -373,8 +374,9 @@ class Experts(nn.Module):
         """
         if self.on_device(x.device, x.dtype):
             if self.gate_proj_scale is not None:
-                gate = fp8_grouped_mm(x, self.gate_proj.transpose(1, 2), self.gate_proj_scale, ends)
-                up = fp8_grouped_mm(x, self.up_proj.transpose(1, 2), self.up_proj_scale, ends)
+                xq = (*quantize_rows(x), x.dtype)  # once for gate and up
+                gate = fp8_grouped_mm(xq, self.gate_proj.transpose(1, 2), self.gate_proj_scale, ends)
+                up = fp8_grouped_mm(xq, self.up_proj.transpose(1, 2), self.up_proj_scale, ends)
                 act = F.silu(gate) * up
                 return fp8_grouped_mm(act, self.down_proj.transpose(1, 2), self.down_proj_scale, ends)
             gate = torch._grouped_mm(x, self.gate_proj.transpose(1, 2), offs=ends)

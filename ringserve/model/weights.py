@@ -134,13 +134,16 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype,
     shard: TPShard | None = None,
-    fp8_weights: set[str] = frozenset(),
+    fp8_checkpoint: list[str] | None = None,
 ) -> Transformer:
     """The model's modules with uninitialised storage on `device` (no weights read yet).
-    fp8_weights: names of the Linear weights to hold as float8 e4m3 with a float32 scale per
-    row (`stored_fp8_weights`)."""
+    fp8_checkpoint: the tensor names of a row-wise FP8 checkpoint, whose FP8 Linear weights
+    (`stored_fp8_weights`) are held as float8 e4m3 with a float32 scale per row."""
     with _default_dtype(dtype), torch.device("meta"):
         model = Transformer(config, shard)
+        fp8_weights = stored_fp8_weights(model, fp8_checkpoint) if fp8_checkpoint is not None else ()
+        if fp8_checkpoint is not None:
+            logger.info("FP8 checkpoint: %d projections served in float8 e4m3 as stored", len(fp8_weights))
         for name in fp8_weights:
             module = model.get_submodule(name.rpartition(".")[0])
             module.weight = nn.Parameter(
@@ -356,19 +359,15 @@ def load_model(
     tensors: Mapping[str, torch.Tensor] | None = None,
     shard: TPShard | None = None,
 ) -> Transformer:
-    fp8_weights = set()
+    fp8_checkpoint = None
     quantization = config.quantization
     if quantization is not None and quantization.method in FP8_METHODS and quantization.block is None:
         if fp8_supported(device):
-            with torch.device("meta"):
-                fp8_weights = stored_fp8_weights(
-                    Transformer(config, shard), checkpoint_names(folder, tensors)
-                )
-            logger.info("FP8 checkpoint: %d projections served in float8 e4m3 as stored", len(fp8_weights))
+            fp8_checkpoint = checkpoint_names(folder, tensors)
         else:
             logger.warning(
                 "FP8 checkpoint on a GPU without FP8 matmuls: its weights dequantised to %s", dtype
             )
-    model = build_model(config, device, dtype, shard, fp8_weights)
+    model = build_model(config, device, dtype, shard, fp8_checkpoint)
     load_weights(model, folder, plan, show_progress, tensors)
     return model

@@ -58,7 +58,7 @@ class DecodeGraphs:
             self._capture_all()
 
     def fits(self, step) -> bool:
-        return sum(len(tokens) for tokens in step.token_ids) <= self.buckets[-1]
+        return len(step.rows) + sum(d for _, d in step.drafts) <= self.buckets[-1]
 
     def graph_key(self, batch: int, longest: int) -> tuple[int, bool]:
         """(bucket, one_block) that runs a decode step of `batch` sequences, the longest of
@@ -97,16 +97,21 @@ class DecodeGraphs:
     def run(self, step, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [new tokens, V] of a decode or verify step (block tables already updated);
         pending_tokens: the previous step's sampled ids, for the rows step.pending names."""
-        positions = [
-            start + j for start, tokens in zip(step.starts, step.token_ids) for j in range(len(tokens))
-        ]
+        if step.drafts:  # a verify step: a decode row per new token
+            token_ids = [token for tokens in step.token_ids for token in tokens]
+            positions = [
+                start + j for start, tokens in zip(step.starts, step.token_ids) for j in range(len(tokens))
+            ]
+            rows = [row for row, tokens in zip(step.rows, step.token_ids) for _ in tokens]
+        else:
+            token_ids, positions, rows = [tokens[0] for tokens in step.token_ids], step.starts, step.rows
         n = len(positions)
         b, one_block = self.graph_key(n, max(positions) + 1)
         # One upload: the four input rows, then the (index, sampled row) pairs of step.pending.
         host = torch.tensor(
-            [token for tokens in step.token_ids for token in tokens]
+            token_ids
             + positions
-            + [row for row, tokens in zip(step.rows, step.token_ids) for _ in tokens]
+            + rows
             + [position + 1 for position in positions]
             + [i for pair in step.pending for i in pair],
             dtype=torch.int64,

@@ -80,7 +80,8 @@ def gpu_state() -> str | None:
 
 
 def machine_info() -> dict:
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
+    info = {"gpu": gpu, "torch": torch.__version__}
     try:
         import transformers
 
@@ -127,6 +128,21 @@ def llama3_8b_config():
     )
 
 
+def llama32_1b_config():
+    """Llama-3.2-1B's shape (a draft for Llama-3-8B: its vocabulary, tied embeddings)."""
+    config = llama3_8b_config()
+    config.update(
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            head_dim=64,
+            tie_word_embeddings=True,
+        )
+    )
+    return config
+
+
 def random_llama3_8b(device: str = "cuda") -> tuple[str, dict]:
     """A folder with Llama-3-8B's config.json, and random bf16 weights of its shape (seed 0)
     on the device, for LLMEngine(folder, weights=...)."""
@@ -141,6 +157,72 @@ def random_llama3_8b(device: str = "cuda") -> tuple[str, dict]:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     return folder, model.state_dict()
+
+
+def random_model_folder(config, folder: str, device: str = "cuda") -> str:
+    """A transformers model of `config` with random bf16 weights (seed 0), saved to `folder`
+    (for what loads from a folder only, e.g. a draft model)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model.save_pretrained(folder)
+    del model
+    return folder
+
+
+def random_eagle3_head(config, folder: str, draft_vocab: int = 32000, device: str = "cuda") -> str:
+    """An EAGLE-3 head for a target of transformers config `config`, random bf16 weights
+    (seed 0) in the published layout (EAGLE3-LLaMA3.1-Instruct-8B's names), saved to `folder`."""
+    from safetensors.torch import save_file
+
+    h, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    d, inter, vocab = h // heads, config.intermediate_size, config.vocab_size
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def w(*shape, scale=0.02):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(torch.bfloat16)
+
+    keep = torch.arange(draft_vocab, device=device) * (vocab // draft_vocab)
+    tensors = {
+        "fc.weight": w(h, 3 * h),
+        "midlayer.input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16, device=device),
+        "midlayer.hidden_norm.weight": torch.ones(h, dtype=torch.bfloat16, device=device),
+        "midlayer.post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16, device=device),
+        "midlayer.self_attn.q_proj.weight": w(heads * d, 2 * h),
+        "midlayer.self_attn.k_proj.weight": w(kv * d, 2 * h),
+        "midlayer.self_attn.v_proj.weight": w(kv * d, 2 * h),
+        "midlayer.self_attn.o_proj.weight": w(h, heads * d),
+        "midlayer.mlp.gate_proj.weight": w(inter, h),
+        "midlayer.mlp.up_proj.weight": w(inter, h),
+        "midlayer.mlp.down_proj.weight": w(h, inter),
+        "norm.weight": torch.ones(h, dtype=torch.bfloat16, device=device),
+        "lm_head.weight": w(draft_vocab, h),
+        "d2t": keep - torch.arange(draft_vocab, device=device),
+    }
+    os.makedirs(folder, exist_ok=True)
+    save_file(
+        {k: v.contiguous().cpu() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors")
+    )
+    raw = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": 2048,
+        "rope_theta": 500000.0,
+        "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab,
+        "tie_word_embeddings": False,
+    }
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(raw, f)
+    return folder
 
 
 def write_json(name: str, data) -> None:

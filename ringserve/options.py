@@ -149,9 +149,11 @@ class EngineOptions:
         "speculative decoding, a JSON object as vLLM's: "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} guesses up to 4 '
         "tokens a step from the latest earlier occurrence of the last n-gram (n from "
-        "prompt_lookup_min to prompt_lookup_max) and checks them in one forward pass; the output "
-        "is the same as without it. One replica without context parallelism (dp=1, cp=1), "
-        "without async scheduling",
+        "prompt_lookup_min to prompt_lookup_max) and checks them in one forward pass; "
+        '{"model": "/models/small", "num_speculative_tokens": 4} has a draft model with the same '
+        'tokenizer guess them, {"method": "eagle3", "model": "/models/head", ...} an EAGLE-3 head. '
+        "The output is the same as without it. One replica (dp=1; an EAGLE-3 head also cp=1); "
+        "under async scheduling steps overlap only while disable_by_batch_size stops drafting",
     )
     enforce_eager: bool = _opt(
         False, "no CUDA graphs: decode steps launch their kernels from Python (slower; for debugging)"
@@ -249,15 +251,9 @@ class EngineOptions:
         if not isinstance(g, str) or not g or (g not in ("auto", "vllm") and not os.path.isdir(g)):
             raise OptionError("generation_config", f"must be auto, vllm or a folder, got {g!r}")
         try:
-            speculative = self.speculative()
+            self.speculative()  # parsed here so that a bad value is refused at once
         except ValueError as e:
             raise OptionError("speculative_config", str(e)) from None
-        if speculative is not None and self.async_scheduling:
-            raise OptionError(
-                "speculative_config",
-                "runs without async scheduling (each step's drafts come from the tokens the last "
-                "step accepted): leave async_scheduling unset or off",
-            )
         try:
             parallel = self.parallel_config()
         except ValueError as e:
@@ -304,7 +300,7 @@ class EngineOptions:
 
     def resolved_async_scheduling(self, device: torch.device) -> bool:
         if self.async_scheduling is None:
-            return device.type == "cuda" and self.parallel_config().world_size == 1 and not self.speculative()
+            return device.type == "cuda" and self.parallel_config().world_size == 1
         return self.async_scheduling
 
     def resolved_show_progress(self) -> bool:

@@ -153,3 +153,18 @@ def quantize_inputs_per_token(model, names=FP8_PROJECTIONS):
         if name.endswith(names):
             module.register_forward_pre_hook(quantize_input)
     return model
+
+
+def varied_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """`count` random prompts of 3 .. 42 tokens (lengths cycling through that range)."""
+    return prompts_of_lengths([3 + (i * 7) % 40 for i in range(count)], seed=seed)
+
+
+def generate_tokens(folder: str, prompts, params, **options):
+    """(each prompt's output tokens, the engine's spec_stats, its preemptions) of one LLM
+    run in float32 on the CPU with blocks of 4 tokens."""
+    from ringserve import LLM
+
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, **options) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.token_ids) for o in outputs], llm.engine.spec_stats, llm.engine.num_preemptions

@@ -172,3 +172,27 @@ def test_pending_tokens_reach_the_model_from_the_device(llama):
         got_graphs = runner.forward(pending, pending_tokens=sampled)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     torch.testing.assert_close(got_graphs, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_overlaps_steps_only_while_drafting_is_off(llama, method):
+    """Speculative decoding with async scheduling and disable_by_batch_size 4: while 4 or more
+    sequences run, steps overlap (no drafts); as they finish, drafts are made from the tokens
+    read, checked in synchronous steps. The outputs equal the synchronous engine's without
+    speculation, and both kinds of step happened."""
+    spec = {"num_speculative_tokens": 3, "disable_by_batch_size": 4}
+    if method == "ngram":
+        spec.update(method="ngram", prompt_lookup_min=1, prompt_lookup_max=2)
+    else:
+        spec.update(method="draft_model", model=llama)
+    prompts = [(p * 3)[:40] for p in prompts_of_lengths([3, 4, 5, 6, 7, 3], seed=8)]
+    requests = [
+        (p, SamplingParams(max_tokens=6 + 5 * i, temperature=0, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
+    plain, _ = run(llama, requests, False)
+    with LLM(llama, device="cpu", dtype="float32", async_scheduling=True, speculative_config=spec) as llm:
+        outputs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+        ahead, stats = llm.engine.steps_scheduled_ahead, llm.engine.spec_stats
+    assert [list(o.token_ids) for o in outputs] == [list(r[0]) for r in plain]
+    assert ahead > 3 and stats.num_drafts > 3 and stats.num_accepted_tokens > 0, (ahead, stats)

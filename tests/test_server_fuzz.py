@@ -1,6 +1,7 @@
 """Property-based fuzzing of every route of `ringserve serve` from its own OpenAPI schema.
 
-schemathesis reads /openapi.json from a live CPU server on the built-in model and sends
+schemathesis reads /openapi.json from a live CPU server (a tiny model with the built-in
+model's tokenizer) and sends
 requests drawn from it, valid ones and invalid ones; every answer must be no 5xx, a status
 and body the schema declares (errors in OpenAI's {"error": {...}} shape), and invalid data
 must be refused with a 4xx. Generations are kept short (a few tokens, few choices) so the
@@ -37,8 +38,12 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 
 @pytest.fixture(scope="module")
-def live_url():
-    engine = LLMEngine(None, device="cpu", dtype="float32", engine_config=EngineConfig(max_model_len=128))
+def live_url(smol_vocab_model):
+    # a tiny model with the built-in's tokenizer and chat template: the schema is what is
+    # checked, and its generations cost a fraction of the built-in model's
+    engine = LLMEngine(
+        smol_vocab_model, device="cpu", dtype="float32", engine_config=EngineConfig(max_model_len=128)
+    )
     # a waiting queue one short of MAX_CHOICES: the largest requests must be refused (400 on
     # "n"), never left to a 503 that no retry would end
     with serve_in_thread(build_app(engine, "smol", max_waiting=MAX_CHOICES - 1)) as url:

@@ -176,13 +176,25 @@ def test_speculative_config_parses_as_vllm_does():
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2}').prompt_lookup_max == 5
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse({}) is None
     with pytest.raises(ValueError, match="not supported yet"):
-        SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 3})
+        SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize("cp_algo", ["pass_q", "pass_kv"])
+def test_context_parallel_rings_verify_alike(tiny_model_dir, cp_algo):
+    """cp=2: a run's new tokens are placed on the ranks as a chunk's are, and the KV of the
+    drafts a run did not keep is uncounted from its rank before the next step."""
+    folder = tiny_model_dir("llama")
+    prompts = copying_prompts(12, seed=7)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain, _ = _run(folder, prompts, params)
+    spec, stats = _run(folder, prompts, params, speculative_config=NGRAM, cp=2, cp_algo=cp_algo, timeout_s=60)
+    assert [list(o.token_ids) for o in spec] == [list(o.token_ids) for o in plain]
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
 
 def test_speculation_is_off_with_a_warning_under_data_parallelism(tiny_model_dir, caplog):
-    with LLM(
-        tiny_model_dir("llama"), device="cpu", dtype="float32", dp=2, speculative_config=NGRAM, timeout_s=60
-    ) as llm:
+    folder = tiny_model_dir("llama")
+    with LLM(folder, device="cpu", dtype="float32", timeout_s=60, dp=2, speculative_config=NGRAM) as llm:
         assert llm.engine.drafter is None
         out = llm.generate(
             [copying_prompts(1)[0]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False
@@ -268,7 +280,7 @@ def test_drafts_adapt_to_what_a_sequence_keeps():
     seq.num_computed_tokens = seq.num_tokens - 1  # decoding: its last token next
     lengths = []
     for kept in (0, 0, 0, 0, 4, 4, 4):
-        lengths.append(len(drafter.propose(seq, 1000)))
+        lengths.append(drafter.num_drafts(seq, 1000))
         drafter.record(seq, kept)
     assert lengths == [4, 3, 2, 1, 1, 3, 4]
 

@@ -1,12 +1,16 @@
 """--speculative-config: how the engine guesses tokens for one forward pass to check (vLLM's
 option, its JSON object and field names).
 
-Methods: "ngram" (prompt lookup: engine/ngram_proposer.py), `num_speculative_tokens` drafts
-a step at most, from n-grams of `prompt_lookup_min` .. `prompt_lookup_max` tokens (as vLLM:
-either one alone sets both; neither: 5). `disable_by_batch_size` (vLLM's): no drafts in a
-step while at least that many sequences run (a verify step is no longer nearly free when the
-batch already fills the GPU). Draft models and EAGLE heads are not built yet: asking for them
-is refused by name.
+Methods, each with `num_speculative_tokens` drafts a step at most:
+- "ngram" (prompt lookup: engine/ngram_proposer.py), from n-grams of `prompt_lookup_min` ..
+  `prompt_lookup_max` tokens (as vLLM: either one alone sets both; neither: 5);
+- "draft_model" (engine/draft_model.py): a smaller model with the same vocabulary, its folder
+  in `model` (as vLLM, `model` without a method means this one), run on the engine's first
+  GPU (`draft_tensor_parallel_size` 1, the only size);
+- "eagle3" (engine/eagle.py): an EAGLE-3 head, its folder in `model`, on the first GPU too.
+`disable_by_batch_size` (vLLM's): no drafts in a step while at least that many sequences run
+(a verify step is no longer nearly free when the batch already fills the GPU). EAGLE-1,
+Medusa, MTP and the others are not built: asking for them is refused by name.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
-_NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+METHODS = ("ngram", "draft_model", "eagle3")
+_NOT_YET = ("eagle", "medusa", "mlp_speculator", "mtp", "suffix")
 _DEFAULT_NGRAM = 5
 
 
@@ -26,6 +30,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int
     prompt_lookup_max: int
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: the draft's folder (or GGUF file)
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -44,14 +49,29 @@ class SpeculativeConfig:
             return None
         fields = dict(value)
         method = fields.pop("method", None)
+        model = fields.pop("model", None)
+        if method is None and model is not None:  # as vLLM: a model alone is a draft model
+            method = "draft_model"
         if method in _NOT_YET:
             raise ValueError(f"method {method!r} is not supported yet (ringserve speculates with {METHODS})")
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         k = fields.pop("num_speculative_tokens", None)
-        low = fields.pop("prompt_lookup_min", None)
-        high = fields.pop("prompt_lookup_max", None)
         batch = fields.pop("disable_by_batch_size", None)
+        low = high = None
+        if method == "ngram":
+            low = fields.pop("prompt_lookup_min", None)
+            high = fields.pop("prompt_lookup_max", None)
+            if model is not None:
+                raise ValueError("model is a draft_model field: method 'ngram' needs no model")
+        else:
+            if not isinstance(model, str) or not model:
+                raise ValueError(f"method {method!r} needs model, the draft's folder, e.g. {_DRAFT_EXAMPLE}")
+            draft_tp = fields.pop("draft_tensor_parallel_size", 1)
+            if draft_tp != 1:
+                raise ValueError(
+                    f"draft_tensor_parallel_size must be 1 (the draft runs on the first GPU), got {draft_tp!r}"
+                )
         if fields:
             raise ValueError(f"unknown field(s) {sorted(fields)} for method {method!r}")
         for name, number in (
@@ -67,7 +87,10 @@ class SpeculativeConfig:
         low, high = (low or high or _DEFAULT_NGRAM), (high or low or _DEFAULT_NGRAM)
         if low > high:
             raise ValueError(f"prompt_lookup_min ({low}) must not exceed prompt_lookup_max ({high})")
+        if method != "ngram":
+            return cls(method, k, 0, 0, batch, model)
         return cls(method, k, low, high, batch)
 
 
 _EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+_DRAFT_EXAMPLE = '{"method": "draft_model", "model": "/models/SmolLM2-135M", "num_speculative_tokens": 4}'

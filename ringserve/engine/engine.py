@@ -21,6 +21,8 @@ from ringserve.config import EngineConfig, ModelConfig, ParallelConfig, resolve_
 from ringserve.engine import chat_template as chat
 from ringserve.engine.block_manager import BlockManager
 from ringserve.engine.dp_scheduler import DataParallelScheduler
+from ringserve.engine.draft_model import DraftModel, DraftModelDrafter
+from ringserve.engine.eagle import Eagle3Draft, Eagle3Drafter
 from ringserve.engine.executor import WorkerError, WorkerSpec, limit_host_threads
 from ringserve.engine.input_processor import InputProcessor
 from ringserve.engine.kv_calibration_text import kv_calibration_ids
@@ -147,6 +149,21 @@ class LLMEngine:
                 "To run it anyway, set allow_long_max_model_len (--allow-long-max-model-len)",
             )
         self.tokenizer = load_tokenizer(options.tokenizer or self.model_path)
+        self.kv_groups = KVGroups.for_model(config)  # the workers' grouping
+        self.speculative = options.speculative()
+        # One replica; an EAGLE head reads rank 0's hidden states, so no CP with one.
+        speculating = (
+            self.speculative is not None
+            and parallel.dp == 1
+            and (parallel.cp == 1 or self.speculative.method != "eagle3")
+        )
+        draft = None  # a draft model or EAGLE-3 head, checked before any weight is loaded
+        if speculating and self.speculative.method == "draft_model":
+            draft = DraftModel.check(
+                self.speculative, config, self.kv_groups, self.tokenizer, self.show_progress
+            )
+        elif speculating and self.speculative.method == "eagle3":
+            draft = Eagle3Draft.check(self.speculative, config, self.kv_groups)
         spec = WorkerSpec(
             self.model_path,
             config,
@@ -158,6 +175,12 @@ class LLMEngine:
             options.allreduce,
             options.timeout_s,
         )
+        if draft is not None:
+            # Under CP rank 0's draft cache holds every rank's block ids: cp blocks per block.
+            per_block, weights_bytes = draft.memory(ec, self.dtype)
+            spec.draft_memory = (per_block * parallel.cp, weights_bytes)
+        if isinstance(draft, Eagle3Draft):
+            spec.eagle3_capture = draft.capture
         if ec.kv_cache_dtype != "auto":  # an FP8 cache: its scales measured on this text
             spec.kv_calibration_ids = kv_calibration_ids(
                 self.tokenizer, config.vocab_size, self.max_model_len
@@ -172,7 +195,6 @@ class LLMEngine:
         self.grammar_masks = GrammarMasks(config.vocab_size, self.device)
         self.cp_policy = CPPolicy(self.cp_algo, parallel.cp, config, self.dtype, self.device.type)
         num_blocks = self.executor.num_blocks * parallel.cp  # each CP rank has its own pool
-        self.kv_groups = KVGroups.for_model(config)  # the workers' grouping
         # One scheduler and KV-cache pool per data-parallel replica (each its own requests).
         self.replicas = [
             Scheduler(
@@ -209,15 +231,38 @@ class LLMEngine:
         self.num_computed_tokens = 0  # tokens run through the model (prefix-cache hits are not)
         self.cp_steps: collections.Counter[str] = collections.Counter()  # steps per ring that ran
         self.async_scheduling = options.resolved_async_scheduling(self.device)
-        self.speculative = options.speculative()
         self.drafter = None  # speculative decoding's (engine/speculative.py)
         self.spec_stats = SpecDecodeStats()
-        if self.speculative is not None and (parallel.dp > 1 or parallel.cp > 1):
+        if self.speculative is not None and not speculating:
             logger.warning(
-                "speculative decoding is off: it runs on one replica without context parallelism "
-                "(dp=1, cp=1) for now, and this engine has dp=%d cp=%d",
+                "speculative decoding is off: it runs on one replica (dp=1), with an EAGLE-3 head "
+                "without context parallelism (cp=1), for now; this engine has dp=%d cp=%d (%s)",
                 parallel.dp,
                 parallel.cp,
+                self.speculative.method,
+            )
+        elif isinstance(draft, Eagle3Draft):
+            self.drafter = Eagle3Drafter.start(
+                self.speculative,
+                draft,
+                self.executor.worker.model,  # rank 0's, in this process
+                self.model_path,
+                spec.device(0),
+                self.dtype,
+                ec,
+                self.max_model_len,
+                self.executor.num_blocks,
+            )
+        elif draft is not None:
+            self.drafter = DraftModelDrafter.start(
+                self.speculative,
+                draft,
+                spec.device(0),  # rank 0's
+                self.dtype,
+                ec,
+                self.max_model_len,
+                num_blocks,  # every CP rank's pool: the draft's cache is not sharded
+                self.show_progress,
             )
         elif self.speculative is not None:
             self.drafter = NgramDrafter(self.speculative)
@@ -305,10 +350,18 @@ class LLMEngine:
         The next step counts each sequence's pending token (a placeholder the device fills
         in) and skips a sequence whose pending token reaches its length limit; one that ends
         on a stop token or string has had one token computed past its end, which is dropped.
+        Under speculative decoding, steps overlap only while drafting is off for the batch.
         """
         outputs, self._undelivered = self._undelivered, []
         inflight = self._inflight
-        if self.drafter is not None:  # no step in flight: every running sequence's tokens are read
+        drafting = self.drafter is not None and self.drafter.drafting(len(self.scheduler.running))
+        if drafting and inflight is not None:
+            # Drafts follow each sequence's latest tokens: the step in flight is read before
+            # any is made. Only while drafting is off for the batch (disable_by_batch_size) do
+            # steps overlap.
+            outputs += self._finish_step(inflight)
+            self._inflight = inflight = None
+        if self.drafter is not None:  # drafts, or none for any while drafting is off
             self.drafter.propose_all(self.scheduler.running, self.max_model_len)
         try:
             batch = self.scheduler.schedule()
@@ -317,6 +370,8 @@ class LLMEngine:
             self.output_processor.remove(e.request_id)
             self._undelivered = outputs
             raise
+        if drafting:  # drafts a draft model makes for the scheduled sequences
+            self.drafter.fill(batch)
         if not batch:
             if inflight is not None:
                 outputs += self._finish_step(inflight)
@@ -546,6 +601,7 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.close()
             self.executor = None
+        self.drafter = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -58,6 +58,10 @@ class WorkerSpec:
     timeout_s: float = 60.0
     # An FP8 KV cache's calibration prompt (worker/kv_calibration.py); None: no FP8 cache
     kv_calibration_ids: list[int] | None = None
+    # A draft model's share of the memory (Worker's draft_memory): its KV bytes per block, weights
+    draft_memory: tuple[int, int] = (0, 0)
+    # An EAGLE-3 head's input kept by rank 0 (Worker's eagle3_capture)
+    eagle3_capture: tuple[str, tuple[int, ...], int] | None = None
 
     def device(self, local_rank: int) -> torch.device:
         return torch.device(f"cuda:{local_rank}") if self.device_type == "cuda" else torch.device("cpu")
@@ -74,6 +78,8 @@ class WorkerSpec:
             weights=weights,
             show_progress=show_progress,
             kv_calibration_ids=self.kv_calibration_ids,
+            draft_memory=self.draft_memory,
+            eagle3_capture=self.eagle3_capture,
         )
 
 

@@ -71,6 +71,7 @@ class Scheduler:
         """Give a sequence a row of the runners' step state; its block table there starts empty."""
         seq.row = self.free_rows.pop()
         seq.num_synced_blocks = 0
+        seq.num_admissions += 1
 
     def _release_row(self, seq: Sequence) -> None:
         self.free_rows.append(seq.row)

@@ -48,6 +48,7 @@ class Sequence:
         # Per KV group (kv_groups.py), the block of each block_size tokens; [] when it holds none.
         self.block_tables: list[list[int]] = []
         self.row: int | None = None  # its row of the runners' step state while running
+        self.num_admissions = 0  # times it took a row (a preempted one is admitted again)
         self.replica = 0  # the data-parallel replica serving it (engine/dp_scheduler.py)
         self.num_synced_blocks = 0  # leading blocks of block_table the runners already hold
         self.num_released_blocks: list[int] = []  # per group, leading blocks released (behind its window)

@@ -38,49 +38,74 @@ from ringserve.engine.ngram_proposer import NgramIndex
 from ringserve.engine.sequence import Sequence
 
 
-class NgramDrafter:
-    """Prompt-lookup drafts for the engine's sequences, each with its n-gram index (built once
-    from the prompt, extended by the tokens each step keeps; gone with the sequence)."""
+class Drafter:
+    """What every proposer shares: which sequences draft, how many tokens (adaptive k), and
+    disable_by_batch_size. A proposer gives the drafts themselves (`propose`); one that
+    needs the device fills them in after the scheduler has fitted them (`fill`)."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        self._index: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
         # a sequence's running average of drafts kept per verified run (starts at k)
         self._kept: weakref.WeakKeyDictionary[Sequence, float] = weakref.WeakKeyDictionary()
 
+    def drafting(self, num_running: int) -> bool:
+        """Whether sequences draft in a step of num_running (not at disable_by_batch_size)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running < limit
+
     def propose_all(self, running: list[Sequence], max_context: int) -> None:
         """Set each running sequence's drafts for the next step (none for any while the batch
-        is at disable_by_batch_size)."""
-        limit = self.config.disable_by_batch_size
-        off = limit is not None and len(running) >= limit
+        is at disable_by_batch_size: then no token of theirs is read)."""
+        off = not self.drafting(len(running))
         for seq in running:
-            seq.draft_token_ids = [] if off else self.propose(seq, max_context)
+            k = 0 if off else self.num_drafts(seq, max_context)
+            seq.draft_token_ids = self.propose(seq, k) if k > 0 else []
+
+    def fill(self, batch) -> None:
+        """After scheduling (batch: the ScheduledBatch, its sequences' drafts cut to what
+        fits): drafts only the device can make. Prompt lookup's are made already."""
 
     def record(self, seq: Sequence, num_kept: int) -> None:
         """A verified run of seq kept num_kept drafts: its next runs' length follows."""
         self._kept[seq] = (self._kept.get(seq, self.config.num_speculative_tokens) + num_kept) / 2
 
-    def propose(self, seq: Sequence, max_context: int) -> list[int]:
-        """Drafts for seq's next step: [] unless it decodes (one token to compute) and may
-        take them (the module docstring); at most num_speculative_tokens, one more than its
-        running average kept, and no more than its max_tokens and max_context (the longest
-        sequence) leave room for."""
+    def num_drafts(self, seq: Sequence, max_context: int) -> int:
+        """How many drafts seq may check next step: 0 unless it decodes (one token to
+        compute) and may take them (the module docstring); at most num_speculative_tokens,
+        one more than its running average kept, and no more than its max_tokens and
+        max_context (the longest sequence) leave room for."""
         p = seq.params
         if (
             seq.num_uncomputed_tokens != 1
             or seq.ends_when_read
-            or p.penalized
-            or seq.bad_words_ids
+            or not self.may_draft(seq)
             or len(seq.output_token_ids) < p.min_tokens
-            or seq.needs_prompt_logits
         ):
-            return []
+            return 0
         # The verified run keeps up to drafts + 1 tokens.
         room = min(p.max_tokens - len(seq.output_token_ids), max_context - seq.num_tokens) - 1
         kept = self._kept.get(seq, self.config.num_speculative_tokens)
-        k = min(self.config.num_speculative_tokens, round(kept) + 1, room)
-        if k <= 0:
-            return []
+        return min(self.config.num_speculative_tokens, round(kept) + 1, room)
+
+    def may_draft(self, seq: Sequence) -> bool:
+        """Whether seq's sampling lets it draft at all (nothing that depends on the tokens
+        before a position within a run: penalties, bad words; no prompt logprobs pending)."""
+        return not (seq.params.penalized or seq.bad_words_ids or seq.needs_prompt_logits)
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """At most k drafts to follow seq's tokens."""
+        raise NotImplementedError
+
+
+class NgramDrafter(Drafter):
+    """Prompt-lookup drafts for the engine's sequences, each with its n-gram index (built once
+    from the prompt, extended by the tokens each step keeps; gone with the sequence)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        super().__init__(config)
+        self._index: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
         index = self._index.get(seq)
         if index is None:
             index = self._index[seq] = NgramIndex(

@@ -513,6 +513,9 @@ class Transformer(nn.Module):
         self.lm_head = Linear(config.hidden_size, shard.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # EAGLE-3 speculative decoding (model/eagle3.py): keeps a mix of some layers' hidden
+        # states for every token computed; set on rank 0 by the worker, None otherwise.
+        self.hidden_capture = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         """input_ids, positions [T] -> hidden states [T, H]."""
@@ -522,9 +525,19 @@ class Transformer(nn.Module):
             x = x * float(torch.tensor(self.config.embedding_scale, dtype=x.dtype))
         pos = {key: emb(positions, x.dtype) for key, emb in self.model.rotary_emb.items()}
         residual = None
+        capture, captured = self.hidden_capture, None
         for i, layer in enumerate(self.model.layers):
+            if capture is not None and i in capture.layers:  # the hidden state entering layer i
+                captured = capture.add(i, x if residual is None else x + residual, captured)
             x, residual = layer(x, residual, pos[self.config.rope_key(i)], ctx)
+        if capture is not None:
+            capture.store(captured, ctx)
         return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
+
+    @property
+    def logits_width(self) -> int:
+        """Columns of the logits a step returns (the whole vocabulary)."""
+        return self.config.vocab_size
 
     def moe_blocks(self) -> list[nn.Module]:
         """The MoE blocks in layer order (under EP, each one dispatch and combine per step),

@@ -120,7 +120,7 @@ def checkpoint_files(folder: str) -> list[str]:
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -139,7 +139,7 @@ def build_model(
     """The model's modules with uninitialised storage on `device` (no weights read yet).
     fp8_checkpoint: the tensor names of a row-wise FP8 checkpoint, whose FP8 Linear weights
     (`stored_fp8_weights`) are held as float8 e4m3 with a float32 scale per row."""
-    with _default_dtype(dtype), torch.device("meta"):
+    with default_dtype(dtype), torch.device("meta"):
         model = Transformer(config, shard)
         fp8_weights = stored_fp8_weights(model, fp8_checkpoint) if fp8_checkpoint is not None else ()
         if fp8_checkpoint is not None:

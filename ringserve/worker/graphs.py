@@ -49,7 +49,7 @@ class DecodeGraphs:
         # Rows: token ids, positions, block-table rows, sequence lengths; [4, largest] int64.
         self.inputs = torch.zeros(4, largest, dtype=torch.int64, device=dev)
         # [largest, V] float32, written by every bucket's graph (the LM head's own output)
-        self.logits = torch.empty(largest, runner.model.config.vocab_size, dtype=torch.float32, device=dev)
+        self.logits = torch.empty(largest, runner.model.logits_width, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (bucket, one_block)
         # Split-KV is fixed per bucket (a graph's launch grid cannot change): sized for the
         # longest context, a short one leaves most splits empty, which costs little.

@@ -55,10 +55,8 @@ class StepInput:
                 if count:
                     scored.append((i, first, count))
         if layout is not None and layout.num_ranks > 1:
-            if drafts:
-                raise ValueError("speculative decoding does not run under context parallelism yet")
             cp = layout.step(batch.seqs, batch.num_tokens)
-            return cls(rows, token_ids, starts, sample, [], cp=cp, scored=scored)
+            return cls(rows, token_ids, starts, sample, [], cp=cp, scored=scored, drafts=drafts)
         updates = []
         for seq in batch.seqs:
             if len(seq.block_table) > seq.num_synced_blocks:

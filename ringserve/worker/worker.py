@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ringserve.attention.dense import warm_up_cudnn
 from ringserve.config import EngineConfig, ModelConfig, TPShard
 from ringserve.kernels.kv_quant import FP8_DTYPE, check_fp8_device, kv_storage_dtype
+from ringserve.model.eagle3 import HiddenCapture
 from ringserve.model.quantize import quantize_weights
 from ringserve.model.tp_shard_plan import TensorParallelPlan
 from ringserve.model.weights import load_model
@@ -51,9 +52,17 @@ class Worker:
         weights: Mapping[str, torch.Tensor] | None = None,
         show_progress: bool = False,
         kv_calibration_ids: list[int] | None = None,
+        draft_memory: tuple[int, int] = (0, 0),
+        eagle3_capture: tuple[str, tuple[int, ...], int] | None = None,
     ):
         """kv_calibration_ids: the prompt an FP8 KV cache's scales are measured on
-        (worker/kv_calibration.py); without it they stay 1.0."""
+        (worker/kv_calibration.py); without it they stay 1.0. draft_memory: (bytes a block
+        of a draft model's KV cache takes beside this one's, the draft's weights' bytes) for
+        speculative decoding with a draft model (engine/draft_model.py), which the KV budget
+        leaves room for. eagle3_capture: (an EAGLE-3 head's folder, the layers it reads, the
+        KV group whose slots its hidden-state cache follows): rank 0 keeps that input of the
+        head for every token (engine/eagle.py)."""
+        self.draft_memory = draft_memory
         self.groups = groups
         self.device = groups.device
         validate_tp(config, groups.tp_size)
@@ -99,6 +108,12 @@ class Worker:
             kv_dtype,
             self.device,
         )
+        if eagle3_capture is not None and groups.rank == 0:  # before any graph is captured
+            path, layers, group = eagle3_capture
+            slots = (self.num_blocks + 1) * ec.block_size  # and the scratch block of padded rows
+            self.model.hidden_capture = HiddenCapture.start(
+                path, layers, group, slots, config.hidden_size, dtype, self.device
+            )
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
@@ -186,7 +201,8 @@ class Worker:
         self, config, kv_groups: KVGroups, shard, dtype, ec: EngineConfig, max_model_len: int
     ) -> int:
         """Blocks from the memory budget; every rank takes the smallest so block ids agree."""
-        per_block = KVCache.bytes_per_block(
+        draft_per_block, draft_weights = self.draft_memory
+        per_block = draft_per_block + KVCache.bytes_per_block(
             kv_groups, ec.block_size, shard.num_kv_heads, config.head_dim, dtype
         )
         if ec.num_blocks is not None:
@@ -195,7 +211,7 @@ class Worker:
             budget = ec.kv_cache_memory
             if budget is None and self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int((free - _GPU_ACTIVATION_RESERVE) * ec.gpu_memory_utilization)
+                budget = int((free - _GPU_ACTIVATION_RESERVE - draft_weights) * ec.gpu_memory_utilization)
             elif budget is None:
                 budget = _CPU_KV_CACHE_BYTES
             # No use for more blocks than every sequence at full length can fill.

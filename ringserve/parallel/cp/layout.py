@@ -158,6 +158,9 @@ class CPLayout:
             assert len(table) * bs >= start + count, "blocks for the new tokens are allocated first"
             self._send_blocks(share, seq.row, [t[seq.num_synced_blocks :] for t in seq.block_tables], updates)
             seq.num_synced_blocks = len(table)
+            # Drafts the last step computed and did not keep (speculative decoding): their
+            # positions are not held any more; the next tokens take their slots.
+            self._retreat(share, seq.block_tables, start)
             # Tokens cached before the row was taken (a prefix-cache hit): count where they are.
             self._advance(share, seq.block_tables, start, None)
             for r in range(n_ranks):
@@ -183,6 +186,14 @@ class CPLayout:
                 if local:
                     updates[r].append((group, row, first_column[r], local))
                     share.local_blocks[r] = first_column[r] + len(local)
+
+    def _retreat(self, share: _RowShare, tables: list[list[int]], end: int) -> None:
+        """Uncount positions end .. covered - 1 (rejected drafts), a block at a time."""
+        bs = self.block_size
+        while share.covered > end:
+            position = max(end, (share.covered - 1) // bs * bs)
+            share.keys[self.where(tables[0], position)[0]] -= share.covered - position
+            share.covered = position
 
     def _advance(self, share: _RowShare, tables: list[list[int]], end: int, runs_of) -> None:
         """Count positions covered .. end - 1 as held by their ranks, a block at a time;

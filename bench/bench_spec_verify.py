@@ -41,7 +41,7 @@ from ringserve.sampling_params import SamplingParams  # noqa: E402
 def forced_drafts(k: int):
     """A drafter's propose_all that gives each decoding sequence k drafts (0: none)."""
 
-    def propose_all(running, max_context):
+    def propose_all(running, max_context, drafting=True):
         for seq in running:
             decoding = seq.num_uncomputed_tokens == 1 and not seq.ends_when_read
             room = seq.params.max_tokens - len(seq.output_token_ids) - 1

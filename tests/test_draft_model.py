@@ -244,3 +244,14 @@ def test_draft_model_config_and_refusals(llama_and_draft, tiny_model_dir, monkey
     assert DraftModel.check(config, c, KVGroups.for_model(c), Tokenizer({"a": 0, "b": 1})).vocab_size == 256
     with pytest.raises(ModelLoadError, match="not found"):
         LLM(target, device="cpu", speculative_config={"model": "/no/such/draft", "num_speculative_tokens": 2})
+
+
+def test_a_draft_model_is_off_with_a_warning_under_data_parallelism(llama_and_draft, caplog):
+    """Its cache follows one replica's block ids; prompt lookup runs on any (test_speculative)."""
+    target, draft = llama_and_draft
+    with LLM(
+        target, device="cpu", dtype="float32", dp=2, timeout_s=60, speculative_config=_draft(draft)
+    ) as llm:
+        assert llm.engine.drafter is None
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids) == 3
+    assert "speculative decoding is off: a draft_model proposer" in caplog.text

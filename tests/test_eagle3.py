@@ -221,11 +221,12 @@ def test_greedy_output_equals_the_engine_without_speculation(target, head):
     assert spec == plain and stats.num_drafts > 100, stats
 
 
-@pytest.mark.parametrize("layout", ["seeded", "preempted", "tp2"])
+@pytest.mark.parametrize("layout", ["seeded", "preempted", "tp2", "cp2"])
 def test_output_equals_the_engine_without_speculation(target, head, tmp_path, layout):
     """Seeded sampling draw for draw; too few blocks (preemption frees a sequence's hidden
     states and the head's cache with them); tp=2 (the head on rank 0 reads the embedding
-    from the target's files, its checkpoint having none)."""
+    from the target's files, its checkpoint having none); cp=2 (each rank computes its own
+    tokens' hidden states, gathered to rank 0 by global slot)."""
     prompts = varied_prompts(8, seed=3)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     options = {}
@@ -234,8 +235,10 @@ def test_output_equals_the_engine_without_speculation(target, head, tmp_path, la
     elif layout == "preempted":
         options = dict(num_blocks=30, max_model_len=96)
     else:
-        options = dict(tp=2, timeout_s=60)
-    plain, _, _ = generate_tokens(target, prompts, params, **{k: v for k, v in options.items() if k != "tp"})
+        options = {layout[:2]: 2, "timeout_s": 60}
+    plain, _, _ = generate_tokens(
+        target, prompts, params, **{k: v for k, v in options.items() if k not in ("tp", "cp")}
+    )
     with LLM(
         target, device="cpu", dtype="float32", block_size=4, speculative_config=_eagle(head), **options
     ) as llm:
@@ -307,13 +310,3 @@ def test_the_kv_budget_holds_the_heads_caches(target, head):
         assert llm.engine.block_manager.num_blocks == budget // per_block
         # every block's slots and the scratch block's (padded rows of a graph write there)
         assert llm.engine.drafter.capture.cache.shape == ((budget // per_block + 1) * 4, c.hidden_size)
-
-
-def test_a_head_is_off_with_a_warning_under_context_parallelism(target, head, caplog):
-    """The head reads rank 0's hidden states; under CP each rank computes its own tokens."""
-    with LLM(
-        target, device="cpu", dtype="float32", cp=2, timeout_s=60, speculative_config=_eagle(head)
-    ) as llm:
-        assert llm.engine.drafter is None
-        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids) == 3
-    assert "speculative decoding is off" in caplog.text

@@ -192,15 +192,21 @@ def test_context_parallel_rings_verify_alike(tiny_model_dir, cp_algo):
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
 
-def test_speculation_is_off_with_a_warning_under_data_parallelism(tiny_model_dir, caplog):
-    folder = tiny_model_dir("llama")
-    with LLM(folder, device="cpu", dtype="float32", timeout_s=60, dp=2, speculative_config=NGRAM) as llm:
-        assert llm.engine.drafter is None
-        out = llm.generate(
-            [copying_prompts(1)[0]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False
-        )
-        assert len(out[0].token_ids) == 4
-    assert "speculative decoding is off" in caplog.text
+@pytest.mark.parametrize(
+    "arch,layout",
+    [("llama", dict(dp=2)), ("mixtral", dict(ep=2))],  # ep=2: dp=2 replicas, experts over both
+)
+def test_data_parallel_replicas_verify_alike(tiny_model_dir, arch, layout):
+    """Each replica verifies its own sequences' drafts; the replicas' draft rows come back to
+    rank 0 in the step's order. With EP over the replicas, a replica's verify rows go
+    through the experts with the other replica's tokens."""
+    folder = tiny_model_dir(arch)
+    prompts = copying_prompts(12, seed=8)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain, _ = _run(folder, prompts, params)
+    spec, stats = _run(folder, prompts, params, speculative_config=NGRAM, timeout_s=60, **layout)
+    assert [list(o.token_ids) for o in spec] == [list(o.token_ids) for o in plain]
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
 
 def test_sampling_positions_key_the_draws():

@@ -3,9 +3,10 @@
 the target's own hidden states (model/eagle3.py), so it costs a fraction of a draft model's
 step and guesses better.
 
-The target's rank 0 keeps, for every token it computes, the head's mix of three of its
-layers' hidden states, in a cache by token slot (HiddenCapture; the same block ids as the KV
-cache, so prefix-cache hits bring theirs along). The head runs in the engine's process on
+The target's rank 0 keeps, for every token computed, the head's mix of three of its layers'
+hidden states, in a cache by token slot (HiddenCapture; the same block ids as the KV cache,
+so prefix-cache hits bring theirs along; under context parallelism every rank's tokens,
+gathered each step). The head runs in the engine's process on
 rank 0's device, with a one-layer KV cache of its own in those block ids. Each step, after
 the scheduler has fitted the drafts:
   pass 1: for each drafted sequence, the positions i the head has not read yet, up to its

@@ -151,11 +151,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(options.tokenizer or self.model_path)
         self.kv_groups = KVGroups.for_model(config)  # the workers' grouping
         self.speculative = options.speculative()
-        # One replica; an EAGLE head reads rank 0's hidden states, so no CP with one.
-        speculating = (
-            self.speculative is not None
-            and parallel.dp == 1
-            and (parallel.cp == 1 or self.speculative.method != "eagle3")
+        # A draft model or head runs on rank 0 with one replica's block ids (for now).
+        speculating = self.speculative is not None and (
+            parallel.dp == 1 or self.speculative.method == "ngram"
         )
         draft = None  # a draft model or EAGLE-3 head, checked before any weight is loaded
         if speculating and self.speculative.method == "draft_model":
@@ -235,11 +233,10 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         if self.speculative is not None and not speculating:
             logger.warning(
-                "speculative decoding is off: it runs on one replica (dp=1), with an EAGLE-3 head "
-                "without context parallelism (cp=1), for now; this engine has dp=%d cp=%d (%s)",
-                parallel.dp,
-                parallel.cp,
+                "speculative decoding is off: a %s proposer runs on one replica (dp=1), for now; "
+                "this engine has dp=%d (prompt lookup, method ngram, runs on any)",
                 self.speculative.method,
+                parallel.dp,
             )
         elif isinstance(draft, Eagle3Draft):
             self.drafter = Eagle3Drafter.start(
@@ -251,7 +248,7 @@ class LLMEngine:
                 self.dtype,
                 ec,
                 self.max_model_len,
-                self.executor.num_blocks,
+                num_blocks,  # every CP rank's pool, as the hidden-state cache
             )
         elif draft is not None:
             self.drafter = DraftModelDrafter.start(
@@ -354,7 +351,8 @@ class LLMEngine:
         """
         outputs, self._undelivered = self._undelivered, []
         inflight = self._inflight
-        drafting = self.drafter is not None and self.drafter.drafting(len(self.scheduler.running))
+        batch_size = max(len(replica.running) for replica in self.replicas)
+        drafting = self.drafter is not None and self.drafter.drafting(batch_size)
         if drafting and inflight is not None:
             # Drafts follow each sequence's latest tokens: the step in flight is read before
             # any is made. Only while drafting is off for the batch (disable_by_batch_size) do
@@ -362,7 +360,7 @@ class LLMEngine:
             outputs += self._finish_step(inflight)
             self._inflight = inflight = None
         if self.drafter is not None:  # drafts, or none for any while drafting is off
-            self.drafter.propose_all(self.scheduler.running, self.max_model_len)
+            self.drafter.propose_all(self.scheduler.running, self.max_model_len, drafting)
         try:
             batch = self.scheduler.schedule()
         except RequestTooLargeError as e:  # that request alone fails; the others go on

@@ -48,17 +48,17 @@ class Drafter:
         # a sequence's running average of drafts kept per verified run (starts at k)
         self._kept: weakref.WeakKeyDictionary[Sequence, float] = weakref.WeakKeyDictionary()
 
-    def drafting(self, num_running: int) -> bool:
-        """Whether sequences draft in a step of num_running (not at disable_by_batch_size)."""
+    def drafting(self, batch_size: int) -> bool:
+        """Whether sequences draft in a step of batch_size sequences (a replica's, under data
+        parallelism): not at disable_by_batch_size."""
         limit = self.config.disable_by_batch_size
-        return limit is None or num_running < limit
+        return limit is None or batch_size < limit
 
-    def propose_all(self, running: list[Sequence], max_context: int) -> None:
-        """Set each running sequence's drafts for the next step (none for any while the batch
-        is at disable_by_batch_size: then no token of theirs is read)."""
-        off = not self.drafting(len(running))
+    def propose_all(self, running: list[Sequence], max_context: int, drafting: bool) -> None:
+        """Set each running sequence's drafts for the next step (none for any while drafting
+        is off for the batch: then no token of theirs is read)."""
         for seq in running:
-            k = 0 if off else self.num_drafts(seq, max_context)
+            k = self.num_drafts(seq, max_context) if drafting else 0
             seq.draft_token_ids = self.propose(seq, k) if k > 0 else []
 
     def fill(self, batch) -> None:

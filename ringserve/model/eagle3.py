@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ringserve.config import ModelConfig, TPShard
@@ -41,6 +42,7 @@ from ringserve.model.decoder import (
     VocabParallelEmbedding,
     make_norm,
 )
+from ringserve.parallel.comm import gather_rows
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -120,30 +122,61 @@ def read_tensors(path: str, names: tuple[str, ...] | None = None) -> dict[str, t
 class HiddenCapture(nn.Module):
     """The target's side: fc(cat(hidden states entering `layers`)) of each new token, written
     to `cache` [slots, H] at the token's slot in KV group `group`. fc is applied a part at a
-    time (acc += h_j @ fc_j^T), so no [T, 3H] concatenation is ever held."""
+    time (acc += h_j @ fc_j^T), so no [T, 3H] concatenation is ever held.
 
-    def __init__(self, layers: tuple[int, ...], fc_weight: torch.Tensor, cache: torch.Tensor, group: int):
+    Under context parallelism each rank computes its own tokens: every rank (of tensor rank
+    0) keeps its step's mixes, and the runner gathers them to CP rank 0 (`gather`), whose
+    cache holds every rank's slots: rank r's local slot s is slot r * slots_per_rank + s,
+    i.e. block id * block_size + offset with the engine's block ids (parallel/cp/layout.py).
+    The other ranks keep no cache (zero slots)."""
+
+    def __init__(
+        self,
+        layers: tuple[int, ...],
+        fc_weight: torch.Tensor,
+        cache: torch.Tensor,
+        group: int,
+        ring: bool = False,
+    ):
         super().__init__()
         self.layers = layers
         width = fc_weight.shape[1] // len(layers)
         self.parts = [fc_weight[:, j * width : (j + 1) * width] for j in range(len(layers))]
         self.cache = cache
         self.group = group
+        self.ring = ring  # under CP: mixes wait in step_mix for the runner's gather
+        self.step_mix: torch.Tensor | None = None  # [T_mine, H], this rank's tokens of the step
 
     @classmethod
     def start(
-        cls, path: str, layers, group: int, num_slots: int, hidden: int, dtype, device
+        cls, path: str, layers, group: int, num_slots: int, hidden: int, dtype, device, ring: bool = False
     ) -> HiddenCapture:
         """The head's fc from its checkpoint at `path`, and an empty cache of num_slots mixes."""
         fc = read_tensors(path, ("fc.weight",))["fc.weight"].to(device=device, dtype=dtype)
-        return cls(tuple(layers), fc, torch.zeros(num_slots, hidden, dtype=dtype, device=device), group)
+        cache = torch.zeros(num_slots, hidden, dtype=dtype, device=device)
+        return cls(tuple(layers), fc, cache, group, ring)
 
     def add(self, layer: int, hidden: torch.Tensor, acc: torch.Tensor | None) -> torch.Tensor:
         part = self.parts[self.layers.index(layer)]
         return torch.matmul(hidden, part.t()) if acc is None else torch.addmm(acc, hidden, part.t())
 
     def store(self, mix: torch.Tensor, ctx) -> None:
-        self.cache.index_copy_(0, ctx.slot_mapping[self.group], mix.to(self.cache.dtype))
+        if self.ring:
+            self.step_mix = mix
+        else:
+            self.cache.index_copy_(0, ctx.slot_mapping[self.group], mix.to(self.cache.dtype))
+
+    def gather(self, owners: torch.Tensor, slots: torch.Tensor, slots_per_rank: int, cp_group) -> None:
+        """Under CP, after the step's forward: owners [T] (the rank computing each of the
+        step's tokens, packed order), slots [T] (its local slot in KV group `group`) -> every
+        rank's mixes in CP rank 0's cache."""
+        counts = torch.bincount(owners, minlength=dist.get_world_size(cp_group)).tolist()
+        mixes, self.step_mix = gather_rows(self.step_mix, counts, cp_group), None
+        if mixes is None:  # not CP rank 0
+            return
+        for rank, rows in enumerate(mixes):
+            where = (slots[owners == rank] + rank * slots_per_rank).to(self.cache.device)
+            self.cache.index_copy_(0, where, rows.to(self.cache.dtype))
 
 
 class _Backbone(nn.Module):

@@ -19,6 +19,18 @@ def all_gather_stacked(x: torch.Tensor, group) -> torch.Tensor:
     return out.view(world, *x.shape)
 
 
+def gather_rows(x: torch.Tensor, counts: list[int], group) -> list[torch.Tensor] | None:
+    """x [counts[rank], ...] on every rank of `group` -> on the group's first rank, each
+    rank's rows in rank order (None on the others). Padded to the longest, as gloo gathers
+    only even tensors."""
+    rank = dist.get_rank(group)
+    padded = x.new_zeros(max(counts), *x.shape[1:])
+    padded[: counts[rank]] = x
+    out = [torch.empty_like(padded) for _ in counts] if rank == 0 else None
+    dist.gather(padded, out, dst=dist.get_global_rank(group, 0), group=group)
+    return None if out is None else [rows[:n] for rows, n in zip(out, counts)]
+
+
 def broadcast_object(obj, src: int, group, timeout_s: float | None = None):
     """Send a picklable object from rank `src` to every rank of `group`; returns it.
 

@@ -61,22 +61,34 @@ class DataParallelStep:
 
     @property
     def drafts(self) -> list[tuple[int, int]]:
-        return []  # speculative decoding runs on one replica (engine/speculative.py)
+        """(index in the whole batch, d) of each replica's drafted sequences."""
+        drafts, offset = [], 0
+        for s in self.replicas:
+            drafts += [(i + offset, d) for i, d in s.drafts]
+            offset += len(s.rows)
+        return drafts
 
-    def logit_counts(self, all_logits: bool) -> list[tuple[int, int]]:
-        """Per replica, (rows read first, rows read after every replica's first): its sampled
-        and scored rows, or with all_logits every new token's row (and none after)."""
+    def logit_counts(self, all_logits: bool) -> list[tuple[int, int, int]]:
+        """Per replica, its (sampled, scored, draft) rows (StepInput.logit_rows), or with
+        all_logits every new token's row (and none of the others)."""
         if all_logits:
-            return [(sum(len(t) for t in s.token_ids), 0) for s in self.replicas]
-        return [(sum(s.sample), sum(count for _, _, count in s.scored)) for s in self.replicas]
+            return [(sum(len(t) for t in s.token_ids), 0, 0) for s in self.replicas]
+        return [
+            (sum(s.sample), sum(count for _, _, count in s.scored), sum(d for _, d in s.drafts))
+            for s in self.replicas
+        ]
 
     def assemble(self, per_replica: list[torch.Tensor], all_logits: bool) -> torch.Tensor:
         """Each replica's logits (padded rows after its own) -> the whole step's, in the
-        engine's order: [S_0 .. S_n-1, R_0 .. R_n-1, V]."""
+        engine's order: [S_0 .. S_n-1, R_0 .. R_n-1, D_0 .. D_n-1, V]."""
         counts = self.logit_counts(all_logits)
-        first = [x[:s] for x, (s, _) in zip(per_replica, counts)]
-        after = [x[s : s + r] for x, (s, r) in zip(per_replica, counts)]
-        return torch.cat(first + after)
+        parts: list[list[torch.Tensor]] = [[], [], []]
+        for x, sizes in zip(per_replica, counts):
+            first = 0
+            for kind, size in enumerate(sizes):
+                parts[kind].append(x[first : first + size])
+                first += size
+        return torch.cat([rows for part in parts for rows in part])
 
 
 @torch.inference_mode()
@@ -103,7 +115,7 @@ def run_replica_step(worker, step: DataParallelStep, all_logits: bool) -> torch.
         join_expert_layers(worker.model, worker.run_experts)
     if not groups.replica_leader:
         return None
-    longest = max(s + r for s, r in step.logit_counts(all_logits))
+    longest = max(sum(counts) for counts in step.logit_counts(all_logits))
     if logits is not None and logits.shape[0] == longest:
         padded = logits.contiguous()
     else:  # [longest, V]: this replica's rows first; the rest is never read

@@ -61,7 +61,7 @@ class Worker:
         speculative decoding with a draft model (engine/draft_model.py), which the KV budget
         leaves room for. eagle3_capture: (an EAGLE-3 head's folder, the layers it reads, the
         KV group whose slots its hidden-state cache follows): rank 0 keeps that input of the
-        head for every token (engine/eagle.py)."""
+        head for every token (engine/eagle.py), under CP gathered from every CP rank."""
         self.draft_memory = draft_memory
         self.groups = groups
         self.device = groups.device
@@ -108,11 +108,19 @@ class Worker:
             kv_dtype,
             self.device,
         )
-        if eagle3_capture is not None and groups.rank == 0:  # before any graph is captured
+        if eagle3_capture is not None and groups.tp_rank == 0:  # before any graph is captured
+            # Rank 0's cache holds every CP rank's slots; the other CP ranks send theirs.
             path, layers, group = eagle3_capture
-            slots = (self.num_blocks + 1) * ec.block_size  # and the scratch block of padded rows
+            slots = (groups.cp_size * self.num_blocks + 1) * ec.block_size  # and a scratch block
             self.model.hidden_capture = HiddenCapture.start(
-                path, layers, group, slots, config.hidden_size, dtype, self.device
+                path,
+                layers,
+                group,
+                slots if groups.rank == 0 else 0,
+                config.hidden_size,
+                dtype,
+                self.device,
+                ring=groups.cp_size > 1,
             )
         self.runner = ModelRunner(
             self.model,

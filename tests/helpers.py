@@ -155,6 +155,39 @@ def quantize_inputs_per_token(model, names=FP8_PROJECTIONS):
     return model
 
 
+def fake_quantized_moe_hf(folder: str):
+    """transformers' MoE model with each projection's and each expert's weights quantised per
+    row and read back, and (quantized_inputs) the input of every matmul with one of those
+    weights quantised per token, as the engine's FP8 matmuls do."""
+    from ringserve.kernels.skinny_matmul import quantize_rows
+    from ringserve.model.tiny_models import hf_model
+
+    model = hf_model(folder)
+    model.config._experts_implementation = "eager"  # expert by expert, through F.linear
+    weights = set()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            stacked = [module.gate_up_proj, module.down_proj] if name.endswith("mlp.experts") else []
+            rows = (
+                [module.weight]
+                if name.endswith(FP8_PROJECTIONS)
+                else [w[e] for w in stacked for e in range(len(w))]
+            )
+            for weight in rows:
+                wq, scale = quantize_rows(weight)
+                weight.copy_(wq.float() * scale)
+                weights.add(weight.data_ptr())
+    original = torch.nn.functional.linear
+
+    def quantized_inputs(x, weight, bias=None):
+        if weight.data_ptr() in weights:
+            xq, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+            x = (xq.float() * scale).reshape(x.shape).to(x.dtype)
+        return original(x, weight, bias)
+
+    return model, quantized_inputs
+
+
 def varied_prompts(count: int, seed: int = 0) -> list[list[int]]:
     """`count` random prompts of 3 .. 42 tokens (lengths cycling through that range)."""
     return prompts_of_lengths([3 + (i * 7) % 40 for i in range(count)], seed=seed)

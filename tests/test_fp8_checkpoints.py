@@ -328,3 +328,78 @@ def test_fp8_weight_without_its_scale_is_refused(tmp_path, fp8_folders):
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="model.layers.1.mlp.down_proj.weight .*without a weight_scale"):
         load_model(ModelConfig.from_pretrained(str(folder)), str(folder), torch.device("cpu"), torch.float32)
+
+
+def _row_wise_moe_checkpoint(base: str, quantized, dense, fp8_folders) -> dict[str, torch.Tensor]:
+    """base's projections (attention, the dense layer's MLP, every expert's gate, up and down)
+    in compressed-tensors' FP8_DYNAMIC layout, written from its spec: e4m3 weight and float32
+    weight_scale [out, 1] = row amax / 448; the router and lm_head left out, as published
+    MoE checkpoints leave them. dense: the same checkpoint dequantised. Returns the packed
+    tensors."""
+    tensors = load_file(f"{base}/model.safetensors")
+    packed, plain = {}, dict(tensors)
+    for name, w in tensors.items():
+        if _is_linear(name) and not name.endswith("mlp.gate.weight"):
+            scale = w.abs().amax(1, keepdim=True) / FP8_MAX
+            q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            packed[name], packed[name + "_scale"] = q, scale
+            plain[name] = q.float() * scale
+        else:
+            packed[name] = w
+    config = json.loads(open(f"{base}/config.json").read())
+    ct_config = json.loads(open(f"{fp8_folders('ct_channel')[0]}/config.json").read())
+    config["quantization_config"] = {
+        **ct_config["quantization_config"],
+        "ignore": ["lm_head", "re:.*mlp.gate$"],
+    }
+    for folder, weights, cfg in (
+        (quantized, packed, config),
+        (dense, plain, json.loads(open(f"{base}/config.json").read())),
+    ):
+        folder.mkdir()
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return packed
+
+
+def test_moe_fp8_checkpoint_serves_its_experts_as_stored(tmp_path, tiny_model_dir, fp8_folders):
+    """Every expert's gate, up and down held as the checkpoint's e4m3 bytes with their row
+    scales (not dequantised), giving the logits transformers gives on the dequantised
+    weights with each matmul's input quantised per token. Under expert parallelism each rank
+    holds its experts as stored (and generates the one rank's tokens); under tensor
+    parallelism its slices of every expert."""
+    from unittest import mock
+
+    from helpers import fake_quantized_moe_hf, prompts_of_lengths
+
+    quantized, dense = tmp_path / "fp8", tmp_path / "dense"
+    packed = _row_wise_moe_checkpoint(tiny_model_dir("qwen3_moe"), quantized, dense, fp8_folders)
+    tokens = prompts_of_lengths([40], seed=4)[0]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [tokens[:n] for n in (5, 11, 17, 23)]
+    outputs = {}
+    for layout in ({}, dict(ep=2), dict(tp=2)):  # ep=2: 2 replicas, 3 experts a rank; tp=2: I split
+        with LLM(str(quantized), device="cpu", dtype="float32", block_size=4, timeout_s=60, **layout) as llm:
+            if not layout:
+                logits = engine_logits(llm.engine, tokens, prefill=19, chunks=[6])
+            outputs[str(layout)] = [list(o.token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            experts = llm.engine.executor.worker.model.model.layers[1].mlp.experts  # rank 0's
+            held_experts = 6 // layout.get("ep", 1)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                held, scales = getattr(experts, name), getattr(experts, name + "_scale")
+                assert held.dtype == FP8_DTYPE and held.shape[0] == held_experts
+                # tp=2: rank 0's first 24 rows of gate and up, or columns of down (whole rows' scales)
+                rows = slice(None) if "tp" not in layout or name == "down_proj" else slice(0, 24)
+                cols = slice(0, 24) if "tp" in layout and name == "down_proj" else slice(None)
+                for e in range(held_experts):
+                    stored = f"model.layers.1.mlp.experts.{e}.{name}.weight"
+                    assert torch.equal(
+                        held[e].view(torch.uint8), packed[stored][rows, cols].view(torch.uint8)
+                    )
+                    assert torch.equal(scales[e], packed[stored + "_scale"][rows, 0])
+    assert outputs[str(dict(ep=2))] == outputs["{}"]  # the same arithmetic, tokens spread over ranks
+    model, quantized_inputs = fake_quantized_moe_hf(str(dense))
+    with torch.no_grad(), mock.patch("torch.nn.functional.linear", quantized_inputs):
+        want = model(torch.tensor([tokens])).logits[0]
+        assert outputs["{}"][0] == hf_greedy(model, prompts[0], 8)
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)

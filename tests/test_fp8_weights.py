@@ -17,7 +17,13 @@ from ringserve.model.decoder import Experts
 from ringserve.model.tiny_models import hf_model
 from ringserve.options import EngineOptions, OptionError
 
-from helpers import FP8_PROJECTIONS, fp8_layout_run, prompts_of_lengths, quantize_inputs_per_token
+from helpers import (
+    FP8_PROJECTIONS,
+    fake_quantized_moe_hf,
+    fp8_layout_run,
+    prompts_of_lengths,
+    quantize_inputs_per_token,
+)
 
 
 def _fake_quantized_hf(folder: str):
@@ -119,36 +125,6 @@ def test_tensor_parallel_fp8_weights_share_the_row_scales(tiny_model_dir):
     assert (runs["tp"] - runs["bf"]).abs().max() < 1.5 * (runs["one"] - runs["bf"]).abs().max()
 
 
-def _fake_quantized_moe_hf(folder: str):
-    """transformers' MoE model with each projection's and each expert's weights quantised per
-    row and read back, and (quantized_inputs) the input of every matmul with one of those
-    weights quantised per token, as the engine's FP8 matmuls do."""
-    model = hf_model(folder)
-    model.config._experts_implementation = "eager"  # expert by expert, through F.linear
-    weights = set()
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            stacked = [module.gate_up_proj, module.down_proj] if name.endswith("mlp.experts") else []
-            rows = (
-                [module.weight]
-                if name.endswith(FP8_PROJECTIONS)
-                else [w[e] for w in stacked for e in range(len(w))]
-            )
-            for weight in rows:
-                wq, scale = quantize_rows(weight)
-                weight.copy_(wq.float() * scale)
-                weights.add(weight.data_ptr())
-    original = torch.nn.functional.linear
-
-    def quantized_inputs(x, weight, bias=None):
-        if weight.data_ptr() in weights:
-            xq, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-            x = (xq.float() * scale).reshape(x.shape).to(x.dtype)
-        return original(x, weight, bias)
-
-    return model, quantized_inputs
-
-
 def test_fp8_experts_match_transformers_with_experts_quantized_alike(tiny_model_dir):
     folder = tiny_model_dir("qwen3_moe")
     tokens = prompts_of_lengths([40], seed=4)[0]
@@ -157,7 +133,7 @@ def test_fp8_experts_match_transformers_with_experts_quantized_alike(tiny_model_
         experts = next(m for m in _weights(llm).modules() if isinstance(m, Experts))
         assert experts.gate_proj.dtype == experts.down_proj.dtype == FP8_DTYPE
         assert experts.down_proj_scale.shape == experts.down_proj.shape[:2]
-    model, quantized_inputs = _fake_quantized_moe_hf(folder)
+    model, quantized_inputs = fake_quantized_moe_hf(folder)
     with torch.no_grad():
         plain = hf_model(folder)(torch.tensor([tokens])).logits[0]
         with mock.patch("torch.nn.functional.linear", quantized_inputs):

@@ -340,8 +340,9 @@ class VocabParallelEmbedding(nn.Module):
 
 class Experts(nn.Module):
     """The experts of one MoE layer, stacked: expert e's weights are gate_proj[e] etc.
-    Under --quantization fp8 (model/quantize.py) each is e4m3 with a float32 scale per
-    output row in gate_proj_scale, up_proj_scale [E, I] and down_proj_scale [E, H]."""
+    Under --quantization fp8 (model/quantize.py), or from a row-wise FP8 checkpoint as
+    stored (model/fp8.py), each is e4m3 with a float32 scale per output row in
+    gate_proj_scale, up_proj_scale [E, I] and down_proj_scale [E, H]."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()

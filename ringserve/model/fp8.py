@@ -11,8 +11,9 @@ name it is multiplied too), one of
 - per block: [ceil(out / rows), ceil(in / cols)] for blocks of [rows, cols] (the config's
   block structure), the last row and column of blocks possibly partial.
 
-Per tensor and per channel, a projection keeps the checkpoint's e4m3 bytes and takes a
-float32 scale per output row (a tensor's one scale repeated: exact), the layout of
+Per tensor and per channel, a projection (and a stack of MoE experts whose every gate, up
+and down projection is stored so) keeps the checkpoint's e4m3 bytes and takes a float32
+scale per output row (a tensor's one scale repeated: exact), the layout of
 --quantization fp8 (model/quantize.py): half the memory of bf16 and its FP8 kernels, as vLLM
 serves these checkpoints. Activations are then quantised per token as they come (dynamic),
 also where the checkpoint has a static `input_scale`: finer, and the same arithmetic as

@@ -145,11 +145,14 @@ def build_model(
         if fp8_checkpoint is not None:
             logger.info("FP8 checkpoint: %d projections served in float8 e4m3 as stored", len(fp8_weights))
         for name in fp8_weights:
-            module = model.get_submodule(name.rpartition(".")[0])
-            module.weight = nn.Parameter(
-                torch.empty_like(module.weight, dtype=FP8_DTYPE), requires_grad=False
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner)
+            weight = getattr(module, attr)  # [out, in], or an expert stack's [E, out, in]
+            setattr(
+                module, attr, nn.Parameter(torch.empty_like(weight, dtype=FP8_DTYPE), requires_grad=False)
             )
-            module.weight_scale = torch.empty(module.weight.shape[0], dtype=torch.float32)
+            # a scale per output row: Linear's weight_scale [out], Experts' gate_proj_scale [E, out]...
+            setattr(module, attr + "_scale", torch.empty(weight.shape[:-1], dtype=torch.float32))
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives each module its own storage: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -159,23 +162,30 @@ def build_model(
 
 
 def stored_fp8_weights(model: Transformer, checkpoint_names) -> set[str]:
-    """The model's Linear weights a row-wise FP8 checkpoint (per channel or per tensor: a
-    scale per row holds it exactly) stores in FP8 whole: every part of a merged one
-    (q/k/v, gate/up). The LM head and MoE experts are left to dequantise: their matmuls take
-    no FP8 weights."""
+    """The model's weights a row-wise FP8 checkpoint (per channel or per tensor: a scale per
+    row holds it exactly) stores in FP8 whole: a Linear's with every part of a merged one
+    (q/k/v, gate/up), and stacked MoE experts' (Experts) where every expert's gate, up and
+    down projections are (their FP8 matmuls take all three). Left to dequantise: the LM
+    head, and fused experts (Llama 4, gpt-oss: their FP8 layout is column-major)."""
     merged = merged_parts(model)
-    parts: dict[str, set[str]] = {}
+    linear_parts: dict[str, set[str]] = {}  # a Linear's weight -> its scaled (merged) parts
+    expert_parts: dict[str, set[tuple[str, int]]] = {}  # an expert stack -> (weight, expert)
     for module in scaled_modules(checkpoint_names):
         param_name, expert = checkpoint_param_name(module + ".weight")
         if expert is None:
             target, _ = merged.get(param_name, (param_name, None))
-            parts.setdefault(target, set()).add(param_name)
+            linear_parts.setdefault(target, set()).add(param_name)
+        else:
+            expert_parts.setdefault(param_name.rpartition(".")[0], set()).add((param_name, expert))
     stored = set()
-    for target, got in parts.items():
+    for target, got in linear_parts.items():
         module = model.get_submodule(target.rpartition(".")[0])
         if isinstance(module, Linear) and module is not model.lm_head:
             if len(got) == (len(module.parts) if isinstance(module, MergedLinear) else 1):
                 stored.add(target)
+    for owner, got in expert_parts.items():
+        if isinstance(model.get_submodule(owner), Experts) and len(got) == 3 * model.config.num_experts:
+            stored.update(f"{owner}.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
     return stored
 
 
@@ -322,7 +332,9 @@ def load_weights(
             )
         target.copy_(tensor)
         if scale is not None:
-            scales = model.get_submodule(target_name.rpartition(".")[0]).weight_scale
+            owner, _, attr = target_name.rpartition(".")
+            scales = getattr(model.get_submodule(owner), attr + "_scale")
+            scales = scales if expert is None else scales[expert]
             (scales if rows is None else scales[rows]).copy_(scale)
         done = filled.setdefault(param_name, set())
         done.add(expert)

@@ -196,3 +196,28 @@ def test_speculation_overlaps_steps_only_while_drafting_is_off(llama, method):
         ahead, stats = llm.engine.steps_scheduled_ahead, llm.engine.spec_stats
     assert [list(o.token_ids) for o in outputs] == [list(r[0]) for r in plain]
     assert ahead > 3 and stats.num_drafts > 3 and stats.num_accepted_tokens > 0, (ahead, stats)
+
+
+def test_a_drafted_step_in_flight_is_read_before_a_step_without_drafts(llama):
+    """Two sequences draft (below disable_by_batch_size 4); three more arrive while a drafted
+    step is in flight, so the next step drafts none. It must not run beside the drafted one:
+    how many of that step's tokens each sequence keeps is known only once it is read. The
+    tokens equal the synchronous engine's without speculation."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    prompts = [(p * 3)[:40] for p in prompts_of_lengths([3, 4, 5, 6, 7], seed=9)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    plain, _ = run(llama, [(p, params) for p in prompts], False)
+    with LLM(
+        llama, device="cpu", dtype="float32", async_scheduling=True,
+        speculative_config={**spec, "disable_by_batch_size": 4},
+    ) as llm:  # fmt: skip
+        engine = llm.engine
+        ids = [engine.add_request(p, params) for p in prompts[:2]]
+        finals, steps = {}, 0
+        while engine.has_unfinished():
+            if steps == 4:
+                assert engine.spec_stats.num_drafts > 0 and engine._inflight.drafts is not None
+                ids += [engine.add_request(p, params) for p in prompts[2:]]
+            finals.update({out.request_id: out for out in engine.step() if out.finished})
+            steps += 1
+    assert [list(finals[rid].token_ids) for rid in ids] == [list(r[0]) for r in plain]

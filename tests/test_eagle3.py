@@ -28,9 +28,12 @@ def target(tmp_path_factory):
     return save_random_model(config, str(tmp_path_factory.mktemp("eagle_target")))
 
 
-def write_head(folder: str, target: str, seed: int = 0, embed: bool = False, aux=None) -> str:
+def write_head(
+    folder: str, target: str, seed: int = 0, embed: bool = False, aux=None, draft_vocab: int = DRAFT_VOCAB
+) -> str:
     """A random EAGLE-3 head for `target` in EAGLE's published layout (config.json with
-    LlamaForCausalLMEagle3, draft_vocab_size; midlayer.*, fc, norm, lm_head, d2t, t2d)."""
+    LlamaForCausalLMEagle3, draft_vocab_size; midlayer.*, fc, norm, lm_head, d2t, t2d; a head
+    over the whole vocabulary without d2t and t2d)."""
     import os
 
     from safetensors.torch import save_file
@@ -44,7 +47,7 @@ def write_head(folder: str, target: str, seed: int = 0, embed: bool = False, aux
     def w(*shape, scale=0.08):
         return torch.randn(*shape, generator=g) * scale
 
-    keep = torch.sort(torch.randperm(t["vocab_size"], generator=g)[:DRAFT_VOCAB]).values
+    keep = torch.sort(torch.randperm(t["vocab_size"], generator=g)[:draft_vocab]).values
     tensors = {
         "fc.weight": w(h, 3 * h),
         "midlayer.input_layernorm.weight": 1 + w(h, scale=0.1),
@@ -58,10 +61,11 @@ def write_head(folder: str, target: str, seed: int = 0, embed: bool = False, aux
         "midlayer.mlp.up_proj.weight": w(t["intermediate_size"], h),
         "midlayer.mlp.down_proj.weight": w(h, t["intermediate_size"]),
         "norm.weight": 1 + w(h, scale=0.1),
-        "lm_head.weight": w(DRAFT_VOCAB, h, scale=0.3),
-        "d2t": keep - torch.arange(DRAFT_VOCAB),
-        "t2d": torch.zeros(t["vocab_size"], dtype=torch.bool).index_fill_(0, keep, True),
+        "lm_head.weight": w(draft_vocab, h, scale=0.3),
     }
+    if draft_vocab < t["vocab_size"]:
+        tensors["d2t"] = keep - torch.arange(draft_vocab)
+        tensors["t2d"] = torch.zeros(t["vocab_size"], dtype=torch.bool).index_fill_(0, keep, True)
     if embed:
         tensors["embed_tokens.weight"] = w(t["vocab_size"], h)
     os.makedirs(folder, exist_ok=True)
@@ -78,7 +82,7 @@ def write_head(folder: str, target: str, seed: int = 0, embed: bool = False, aux
         "max_position_embeddings": 2048,
         "rope_theta": 10000.0,
         "vocab_size": t["vocab_size"],
-        "draft_vocab_size": DRAFT_VOCAB,
+        "draft_vocab_size": draft_vocab,
         "tie_word_embeddings": False,
     }
     if aux is not None:
@@ -150,7 +154,7 @@ def reference_guesses(target: str, head: str, tokens: list[int], k: int) -> list
             ) @ w["midlayer.mlp.down_proj.weight"].T
             out = m + r
             draft = int((rms(out[-1], w["norm.weight"]) @ w["lm_head.weight"].T).argmax())
-            guesses.append(draft + int(w["d2t"][draft]))
+            guesses.append(draft + (int(w["d2t"][draft]) if "d2t" in w else 0))
             inputs, hidden = inputs + [guesses[-1]], torch.cat([hidden, out[-1:]])
     return guesses
 
@@ -253,8 +257,9 @@ def test_output_equals_the_engine_without_speculation(target, head, tmp_path, la
 
 
 def test_head_checkpoints_load_and_are_checked(target, head, tmp_path):
-    """A head with its own embedding and named aux layers loads (and guesses as the dense
-    re-computation says); what does not fit the target is refused with the reason."""
+    """A head with its own embedding and named aux layers, and one over the whole vocabulary
+    without d2t, load (and guess as the dense re-computation says); what does not fit the
+    target is refused with the reason."""
     import os
 
     from ringserve.config import ModelConfig
@@ -262,11 +267,18 @@ def test_head_checkpoints_load_and_are_checked(target, head, tmp_path):
     from ringserve.model.eagle3 import Eagle3Checkpoint
 
     own = write_head(str(tmp_path / "own"), target, seed=5, embed=True, aux=AUX)
-    with LLM(target, device="cpu", dtype="float32", block_size=4, speculative_config=_eagle(own)) as llm:
-        _fixed_k(llm.engine.drafter, 2)
-        seen = _record_guesses(llm)
-        llm.generate(varied_prompts(2, seed=6), SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
-    assert seen and all(g == reference_guesses(target, own, t, len(g)) for t, g in seen)
+    vocab = json.load(open(f"{target}/config.json"))["vocab_size"]
+    whole = write_head(str(tmp_path / "whole"), target, seed=7, draft_vocab=vocab)
+    for folder in (own, whole):
+        with LLM(
+            target, device="cpu", dtype="float32", block_size=4, speculative_config=_eagle(folder)
+        ) as llm:
+            _fixed_k(llm.engine.drafter, 2)
+            seen = _record_guesses(llm)
+            llm.generate(
+                varied_prompts(2, seed=6), SamplingParams(max_tokens=6, temperature=0), use_tqdm=False
+            )
+        assert seen and all(g == reference_guesses(target, folder, t, len(g)) for t, g in seen)
     config = ModelConfig.from_pretrained(target)
     assert Eagle3Checkpoint.read(head, config).aux_layers == AUX
     bad = write_head(str(tmp_path / "bad"), target, aux=(2, 4, 9))
@@ -277,6 +289,7 @@ def test_head_checkpoints_load_and_are_checked(target, head, tmp_path):
     for change, message in [
         ({"architectures": ["LlamaForCausalLM"]}, "not an EAGLE-3 head"),
         ({"target_hidden_size": 128, "eagle_aux_hidden_state_layer_ids": list(AUX)}, "another model"),
+        ({"hidden_size": 128, "eagle_aux_hidden_state_layer_ids": list(AUX)}, "128 wide"),
     ]:
         with open(os.path.join(bad, "config.json"), "w") as f:
             json.dump({**raw, **change}, f)
@@ -310,3 +323,13 @@ def test_the_kv_budget_holds_the_heads_caches(target, head):
         assert llm.engine.block_manager.num_blocks == budget // per_block
         # every block's slots and the scratch block's (padded rows of a graph write there)
         assert llm.engine.drafter.capture.cache.shape == ((budget // per_block + 1) * 4, c.hidden_size)
+
+
+def test_a_head_is_off_with_a_warning_under_data_parallelism(target, head, caplog):
+    """The head reads rank 0's hidden states: one replica's."""
+    with LLM(
+        target, device="cpu", dtype="float32", dp=2, timeout_s=60, speculative_config=_eagle(head)
+    ) as llm:
+        assert llm.engine.drafter is None
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids) == 3
+    assert "speculative decoding is off: a eagle3 proposer" in caplog.text

@@ -382,7 +382,10 @@ def test_moe_fp8_checkpoint_serves_its_experts_as_stored(tmp_path, tiny_model_di
         with LLM(str(quantized), device="cpu", dtype="float32", block_size=4, timeout_s=60, **layout) as llm:
             if not layout:
                 logits = engine_logits(llm.engine, tokens, prefill=19, chunks=[6])
-            outputs[str(layout)] = [list(o.token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            if "tp" not in layout:  # tp: each rank quantises its slice of o's and down's inputs
+                outputs[str(layout)] = [
+                    list(o.token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)
+                ]
             experts = llm.engine.executor.worker.model.model.layers[1].mlp.experts  # rank 0's
             held_experts = 6 // layout.get("ep", 1)
             for name in ("gate_proj", "up_proj", "down_proj"):

@@ -30,7 +30,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int
     prompt_lookup_max: int
     disable_by_batch_size: int | None = None
-    model: str | None = None  # draft_model: the draft's folder (or GGUF file)
+    model: str | None = None  # draft_model: the draft's folder (or GGUF file); eagle3: the head's
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -63,10 +63,11 @@ class SpeculativeConfig:
             low = fields.pop("prompt_lookup_min", None)
             high = fields.pop("prompt_lookup_max", None)
             if model is not None:
-                raise ValueError("model is a draft_model field: method 'ngram' needs no model")
+                raise ValueError("model is a draft_model and eagle3 field: method 'ngram' needs no model")
         else:
             if not isinstance(model, str) or not model:
-                raise ValueError(f"method {method!r} needs model, the draft's folder, e.g. {_DRAFT_EXAMPLE}")
+                example = _DRAFT_EXAMPLE if method == "draft_model" else _EAGLE_EXAMPLE
+                raise ValueError(f"method {method!r} needs model, the draft's folder, e.g. {example}")
             draft_tp = fields.pop("draft_tensor_parallel_size", 1)
             if draft_tp != 1:
                 raise ValueError(
@@ -93,4 +94,7 @@ class SpeculativeConfig:
 
 
 _EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+_EAGLE_EXAMPLE = (
+    '{"method": "eagle3", "model": "/models/EAGLE3-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 4}'
+)
 _DRAFT_EXAMPLE = '{"method": "draft_model", "model": "/models/SmolLM2-135M", "num_speculative_tokens": 4}'

@@ -30,7 +30,6 @@ freed), as does its first draft after admission.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import logging
 import os
 import weakref
@@ -44,6 +43,7 @@ from ringserve.engine.loading import load_tokenizer, resolve_model_path
 from ringserve.engine.sequence import PENDING_TOKEN, Sequence
 from ringserve.engine.speculative import Drafter
 from ringserve.errors import ModelLoadError
+from ringserve.model.weights import checkpoint_files
 from ringserve.parallel.mesh import ParallelGroups
 from ringserve.worker.kv_cache import KVCache
 from ringserve.worker.kv_groups import KVGroups
@@ -102,8 +102,9 @@ class DraftModel:
             )
         return cls(path, config, table_group, min(config.vocab_size, target.vocab_size))
 
-    def memory(self, engine_config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
-        """(its KV bytes per block, its weights' bytes at most): Worker's draft_memory."""
+    def memory(self, engine_config: EngineConfig, dtype: torch.dtype, tp: int) -> tuple[int, int]:
+        """(its KV bytes per block, its weights' bytes at most): Worker's draft_memory. tp: the
+        model's (the draft holds its whole weights on the first GPU whatever it is)."""
         c = self.config
         per_block = KVCache.bytes_per_block(
             KVGroups.for_model(c), engine_config.block_size, c.num_key_value_heads, c.head_dim, dtype
@@ -112,9 +113,9 @@ class DraftModel:
 
 
 def weight_bytes(folder: str) -> int:
-    """The bytes of a folder's weight files: what its weights take at most in memory."""
-    files = [f for f in glob.glob(os.path.join(folder, "*")) if f.endswith((".safetensors", ".bin"))]
-    return sum(os.path.getsize(f) for f in files)
+    """The bytes of a model folder's weight files (what its loader reads): what its weights
+    take at most in memory."""
+    return sum(os.path.getsize(f) for f in checkpoint_files(folder))
 
 
 @dataclass
@@ -131,13 +132,33 @@ class _DraftState:
 
 class PagedDrafter(Drafter):
     """A drafter with a KV cache of its own in the target's block ids (a draft model, an
-    EAGLE head): what its cache holds of each sequence, and its runner's block tables."""
+    EAGLE head): what its cache holds of each sequence, and its runner's block tables.
 
-    def __init__(self, config: SpeculativeConfig, runner, table_group: int):
+    Under data parallelism every replica has its own block ids and runner rows; the
+    drafter's cache and rows hold all of them: replica r's block b is the drafter's block
+    r * replica_blocks + b, its row i the drafter's row r * replica_rows + i."""
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        runner,
+        table_group: int,
+        max_pass_tokens: int,
+        replica_blocks: int = 0,
+        replica_rows: int = 0,
+    ):
         super().__init__(config)
         self.runner = runner  # the drafter's ModelRunner (its own block tables and cache)
         self.table_group = table_group
+        # tokens a pass 1 computes at most: the model's largest step (EngineConfig.prefill_budget)
+        self.max_pass_tokens = max_pass_tokens
+        self.replica_blocks = replica_blocks
+        self.replica_rows = replica_rows
         self._state: weakref.WeakKeyDictionary[Sequence, _DraftState] = weakref.WeakKeyDictionary()
+
+    def _row(self, seq: Sequence) -> int:
+        """seq's row of the drafter's runner."""
+        return seq.replica * self.replica_rows + seq.row
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         return [PENDING_TOKEN] * k  # made by `fill`, once the scheduler has fitted them
@@ -154,7 +175,8 @@ class PagedDrafter(Drafter):
         for seq, state in zip(seqs, states):
             table = seq.block_tables[self.table_group]
             if len(table) > state.synced:
-                updates.append((0, seq.row, state.synced, table[state.synced :]))
+                offset = seq.replica * self.replica_blocks
+                updates.append((0, self._row(seq), state.synced, [b + offset for b in table[state.synced :]]))
                 state.synced = len(table)
         return updates
 
@@ -171,7 +193,24 @@ class PagedDrafter(Drafter):
             first += len(active)
         return guesses
 
-    def _cut_to_grammar(self, batch, i: int, seq: Sequence, drafts: list[int]) -> None:
+    def _pass_one(self, batch, wanted: list[tuple[int, Sequence, int]]) -> list[tuple[int, Sequence, int]]:
+        """wanted: (index in the batch, sequence, where pass 1 would take it: the end of its
+        tokens or positions to read) -> those pass 1 runs, each with the end it reaches
+        within max_pass_tokens in all, drafting sequences first. A drafting sequence that
+        falls short (a long catch-up: a prefix-cache hit, a stretch without drafting) drafts
+        nothing this step, and catches up over the next steps."""
+        left, runs = self.max_pass_tokens, []
+        for i, seq, end in sorted(wanted, key=lambda w: not w[1].draft_token_ids):
+            seen = self._state_of(seq).seen
+            reach = min(end, seen + left)
+            if reach < end and seq.draft_token_ids:
+                self._set_drafts(batch, i, seq, [])
+            if reach > seen:
+                runs.append((i, seq, reach))
+                left -= reach - seen
+        return runs
+
+    def _set_drafts(self, batch, i: int, seq: Sequence, drafts: list[int]) -> None:
         """Set seq's drafts (batch index i), cut where its grammar refuses them; the step
         then computes fewer of its tokens."""
         if seq.grammar is not None:  # only what the grammar allows can be kept
@@ -181,8 +220,18 @@ class PagedDrafter(Drafter):
 
 
 class DraftModelDrafter(PagedDrafter):
-    def __init__(self, config: SpeculativeConfig, draft: DraftModel, worker):
-        super().__init__(config, worker.runner, draft.table_group)
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        draft: DraftModel,
+        worker,
+        max_pass_tokens,
+        replica_blocks,
+        replica_rows,
+    ):
+        super().__init__(
+            config, worker.runner, draft.table_group, max_pass_tokens, replica_blocks, replica_rows
+        )
         self.draft = draft
         self.worker = worker  # the draft's one-rank Worker
 
@@ -196,13 +245,20 @@ class DraftModelDrafter(PagedDrafter):
         engine_config: EngineConfig,
         max_model_len: int,
         num_blocks: int,
+        replicas: int = 1,
         show_progress: bool = False,
     ) -> DraftModelDrafter:
+        """num_blocks: a replica's pool (every CP rank's blocks); replicas: data-parallel
+        replicas, whose blocks and rows the draft's cache and runner all hold."""
         from ringserve.worker.worker import Worker
 
         # Its cache: the target's block count in its own geometry, in its own dtype.
         ec = dataclasses.replace(
-            engine_config, num_blocks=num_blocks, quantization=None, kv_cache_dtype="auto"
+            engine_config,
+            num_blocks=num_blocks * replicas,
+            max_num_seqs=engine_config.max_num_seqs * replicas,
+            quantization=None,
+            kv_cache_dtype="auto",
         )
         worker = Worker(
             draft.path,
@@ -219,7 +275,9 @@ class DraftModelDrafter(PagedDrafter):
             draft.config.architecture,
             config.num_speculative_tokens,
         )
-        return cls(config, draft, worker)
+        return cls(
+            config, draft, worker, engine_config.prefill_budget(), num_blocks, engine_config.max_num_seqs
+        )
 
     def record(self, seq: Sequence, num_kept: int) -> None:
         super().record(seq, num_kept)
@@ -233,19 +291,22 @@ class DraftModelDrafter(PagedDrafter):
         # token included) and those computing a prompt chunk that may draft later (the same
         # chunk: the draft follows a prefill as it goes, so a first draft after a long prompt
         # costs no long catch-up inside a decode step).
-        ran = []  # (index in the batch, sequence, its tokens seen by the draft after pass 1)
+        wanted = []  # (index in the batch, sequence, its tokens seen by the draft after pass 1)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             if seq.draft_token_ids:
-                ran.append((i, seq, seq.num_tokens))
+                wanted.append((i, seq, seq.num_tokens))
             elif n > 1 and self.may_draft(seq):
-                ran.append((i, seq, seq.num_computed_tokens + n))
+                wanted.append((i, seq, seq.num_computed_tokens + n))
+        ran = self._pass_one(batch, wanted)
         if not ran:
             return
         states = [self._state_of(seq) for _, seq, _ in ran]
         updates = self._table_updates([seq for _, seq, _ in ran], states)
         new = [seq.token_slice(state.seen, end) for (_, seq, end), state in zip(ran, states)]
         drafting = [bool(seq.draft_token_ids) for _, seq, _ in ran]
-        step = StepInput([seq.row for _, seq, _ in ran], new, [s.seen for s in states], drafting, updates)
+        step = StepInput(
+            [self._row(seq) for _, seq, _ in ran], new, [s.seen for s in states], drafting, updates
+        )
         for (_, _, end), state in zip(ran, states):
             state.seen = end
         if not any(drafting):  # prefill chunks only: the draft's cache follows, nothing to read
@@ -257,7 +318,7 @@ class DraftModelDrafter(PagedDrafter):
             step.drafts = [(j, len(t) - 1) for j, t in enumerate(new) if len(t) > 1]
         drafted = [(i, seq) for (i, seq, _), d in zip(ran, drafting) if d]
         states = [state for state, d in zip(states, drafting) if d]
-        rows = [seq.row for _, seq in drafted]
+        rows = [self._row(seq) for _, seq in drafted]
         counts = [len(seq.draft_token_ids) for _, seq in drafted]
         tokens = self._greedy(self.runner.forward(step)[: len(rows)])  # [B] on the device
         passes, who = [tokens], [list(range(len(rows)))]
@@ -279,7 +340,7 @@ class DraftModelDrafter(PagedDrafter):
         for b, ((i, seq), state) in enumerate(zip(drafted, states)):
             state.base = seq.num_tokens
             state.seen_if_kept = seq.num_tokens + counts[b] - 1
-            self._cut_to_grammar(batch, i, seq, drafts[b])
+            self._set_drafts(batch, i, seq, drafts[b])
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V_draft] -> [B] int64: the likeliest of the ids both models know."""

@@ -30,7 +30,7 @@ import torch
 
 from ringserve.config import EngineConfig, ModelConfig
 from ringserve.config.speculative import SpeculativeConfig
-from ringserve.engine.draft_model import PagedDrafter, full_attention_group, weight_bytes
+from ringserve.engine.draft_model import PagedDrafter, full_attention_group
 from ringserve.engine.sequence import PENDING_TOKEN, Sequence
 from ringserve.errors import ModelLoadError
 from ringserve.model.eagle3 import Eagle3Checkpoint, Eagle3Head
@@ -62,12 +62,16 @@ class Eagle3Draft:
         """What the target's rank 0 needs to keep the head's input (Worker's eagle3_capture)."""
         return self.checkpoint.path, self.checkpoint.aux_layers, self.table_group
 
-    def memory(self, engine_config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
-        """(bytes per block of its KV cache and of the hidden-state cache, its weights' bytes)."""
+    def memory(self, engine_config: EngineConfig, dtype: torch.dtype, tp: int) -> tuple[int, int]:
+        """(bytes per block of its KV cache and of the hidden-state cache, its weights' bytes:
+        under tensor parallelism with the whole embedding it reads when it has none)."""
         c = self.checkpoint.config
         bs = engine_config.block_size
         kv = KVCache.bytes_per_block(KVGroups.for_model(c), bs, c.num_key_value_heads, c.head_dim, dtype)
-        return kv + bs * self.checkpoint.bytes_per_token(dtype), weight_bytes(self.checkpoint.path)
+        weights = self.checkpoint.weight_bytes()
+        if tp > 1 and not self.checkpoint.has_embedding():
+            weights += c.vocab_size * c.hidden_size * torch.empty((), dtype=dtype).element_size()
+        return kv + bs * self.checkpoint.bytes_per_token(dtype), weights
 
 
 def _read_target_embedding(folder: str) -> torch.Tensor:
@@ -82,9 +86,15 @@ def _read_target_embedding(folder: str) -> torch.Tensor:
 
 class Eagle3Drafter(PagedDrafter):
     def __init__(
-        self, config: SpeculativeConfig, head: Eagle3Head, runner: ModelRunner, capture, table_group
+        self,
+        config: SpeculativeConfig,
+        head: Eagle3Head,
+        runner: ModelRunner,
+        capture,
+        table_group,
+        max_pass_tokens,
     ):
-        super().__init__(config, runner, table_group)
+        super().__init__(config, runner, table_group, max_pass_tokens)
         self.head = head
         self.capture = capture  # the target's HiddenCapture: its cache holds the head's input
 
@@ -157,34 +167,38 @@ class Eagle3Drafter(PagedDrafter):
             checkpoint.draft_vocab_size,
             config.num_speculative_tokens,
         )
-        return cls(config, head, runner, target_model.hidden_capture, draft.table_group)
+        return cls(
+            config,
+            head,
+            runner,
+            target_model.hidden_capture,
+            draft.table_group,
+            engine_config.prefill_budget(),
+        )
 
     @torch.inference_mode()
     def fill(self, batch) -> None:
-        ran = []  # (index in the batch, sequence): pass 1 reads its positions seen .. computed - 1
+        wanted = []  # (index in the batch, sequence, computed): pass 1 reads positions seen .. computed - 1
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             if seq.draft_token_ids or (
                 n > 1 and self.may_draft(seq) and self._state_of(seq).seen < seq.num_computed_tokens
             ):
-                ran.append((i, seq))
+                wanted.append((i, seq, seq.num_computed_tokens))
+        ran = self._pass_one(batch, wanted)
         if not ran:
             return
-        seqs = [seq for _, seq in ran]
+        seqs = [seq for _, seq, _ in ran]
         states = [self._state_of(seq) for seq in seqs]
         updates = self._table_updates(seqs, states)
         # The token after each position, and the target's mix at each position (by slot).
-        new = [seq.token_slice(s.seen + 1, seq.num_computed_tokens + 1) for seq, s in zip(seqs, states)]
-        slots = [
-            self._slot(seq, p) for seq, s in zip(seqs, states) for p in range(s.seen, seq.num_computed_tokens)
-        ]
+        new = [seq.token_slice(s.seen + 1, end + 1) for (_, seq, end), s in zip(ran, states)]
+        slots = torch.cat([self._slots(seq, s.seen, end) for (_, seq, end), s in zip(ran, states)])
         drafting = [bool(seq.draft_token_ids) for seq in seqs]
-        step = StepInput([seq.row for seq in seqs], new, [s.seen for s in states], drafting, updates)
-        for seq, state in zip(seqs, states):
-            state.seen = seq.num_computed_tokens
+        step = StepInput([self._row(seq) for seq in seqs], new, [s.seen for s in states], drafting, updates)
+        for (_, _, end), state in zip(ran, states):
+            state.seen = end
         cache = self.capture.cache
-        hidden = cache.index_select(
-            0, torch.tensor(slots, dtype=torch.int64).to(cache.device, non_blocking=True)
-        )
+        hidden = cache.index_select(0, slots.to(cache.device, non_blocking=True))
         if all(drafting) and all(len(t) <= 1 + self.config.num_speculative_tokens for t in new):
             # A few tokens each: the earlier ones as "drafts", so the step has the verify shape
             # that replays the head's decode graphs (their logits rows come back too, unread).
@@ -192,15 +206,16 @@ class Eagle3Drafter(PagedDrafter):
         logits, prenorm = self._forward(step, hidden)
         if not any(drafting):  # prompt positions only: the head's cache follows, nothing to read
             return
-        drafted = [(i, seq) for (i, seq), d in zip(ran, drafting) if d]
+        drafted = [(i, seq) for (i, seq, _), d in zip(ran, drafting) if d]
         counts = [len(seq.draft_token_ids) for _, seq in drafted]
         passes, who = [self.head.target_ids(logits)], [list(range(len(drafted)))]  # [B] on the device
         for j in range(1, max(counts)):
             # Pass j + 1: the sequences that want more than j drafts feed their j-th guess.
             active = [b for b in who[-1] if counts[b] > j]
-            prev = [who[-1].index(b) for b in active]
+            row_of = {b: r for r, b in enumerate(who[-1])}
+            prev = [row_of[b] for b in active]
             step = StepInput(
-                [drafted[b][1].row for b in active],
+                [self._row(drafted[b][1]) for b in active],
                 [[PENDING_TOKEN]] * len(active),
                 [drafted[b][1].num_computed_tokens + j - 1 for b in active],
                 [True] * len(active),
@@ -213,7 +228,7 @@ class Eagle3Drafter(PagedDrafter):
             who.append(active)
         drafts = self._read_guesses(passes, who, len(drafted))
         for (i, seq), guesses in zip(drafted, drafts):
-            self._cut_to_grammar(batch, i, seq, guesses)
+            self._set_drafts(batch, i, seq, guesses)
 
     def _forward(self, step: StepInput, hidden: torch.Tensor, pending_tokens=None):
         """The head over a step (hidden [T, H]: each new token's input hidden state, in packed
@@ -234,6 +249,9 @@ class Eagle3Drafter(PagedDrafter):
         finally:
             head.hidden_in, head.hidden_out = buffers
 
-    def _slot(self, seq: Sequence, position: int) -> int:
+    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """[end - start] int64: the hidden-state cache slots of seq's positions start .. end - 1."""
         bs = self.runner.kv_cache.block_size
-        return seq.block_tables[self.table_group][position // bs] * bs + position % bs
+        positions = torch.arange(start, end)
+        table = torch.tensor(seq.block_tables[self.table_group][start // bs : (end - 1) // bs + 1])
+        return table[positions // bs - start // bs] * bs + positions % bs

@@ -151,9 +151,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(options.tokenizer or self.model_path)
         self.kv_groups = KVGroups.for_model(config)  # the workers' grouping
         self.speculative = options.speculative()
-        # A draft model or head runs on rank 0 with one replica's block ids (for now).
+        # An EAGLE-3 head reads rank 0's hidden states: one replica's (for now).
         speculating = self.speculative is not None and (
-            parallel.dp == 1 or self.speculative.method == "ngram"
+            parallel.dp == 1 or self.speculative.method != "eagle3"
         )
         draft = None  # a draft model or EAGLE-3 head, checked before any weight is loaded
         if speculating and self.speculative.method == "draft_model":
@@ -174,9 +174,9 @@ class LLMEngine:
             options.timeout_s,
         )
         if draft is not None:
-            # Under CP rank 0's draft cache holds every rank's block ids: cp blocks per block.
-            per_block, weights_bytes = draft.memory(ec, self.dtype)
-            spec.draft_memory = (per_block * parallel.cp, weights_bytes)
+            # Rank 0's draft cache holds every CP rank's and replica's block ids.
+            per_block, weights_bytes = draft.memory(ec, self.dtype, parallel.tp)
+            spec.draft_memory = (per_block * parallel.cp * parallel.dp, weights_bytes)
         if isinstance(draft, Eagle3Draft):
             spec.eagle3_capture = draft.capture
         if ec.kv_cache_dtype != "auto":  # an FP8 cache: its scales measured on this text
@@ -234,7 +234,7 @@ class LLMEngine:
         if self.speculative is not None and not speculating:
             logger.warning(
                 "speculative decoding is off: a %s proposer runs on one replica (dp=1), for now; "
-                "this engine has dp=%d (prompt lookup, method ngram, runs on any)",
+                "this engine has dp=%d (prompt lookup and draft models run on any)",
                 self.speculative.method,
                 parallel.dp,
             )
@@ -259,6 +259,7 @@ class LLMEngine:
                 ec,
                 self.max_model_len,
                 num_blocks,  # every CP rank's pool: the draft's cache is not sharded
+                parallel.dp,
                 self.show_progress,
             )
         elif self.speculative is not None:
@@ -353,10 +354,10 @@ class LLMEngine:
         inflight = self._inflight
         batch_size = max(len(replica.running) for replica in self.replicas)
         drafting = self.drafter is not None and self.drafter.drafting(batch_size)
-        if drafting and inflight is not None:
-            # Drafts follow each sequence's latest tokens: the step in flight is read before
-            # any is made. Only while drafting is off for the batch (disable_by_batch_size) do
-            # steps overlap.
+        if inflight is not None and (drafting or inflight.drafts is not None):
+            # Drafts follow each sequence's latest tokens, and how many tokens a drafted step
+            # keeps is known only once it is read: the step in flight is read first. Only
+            # while drafting is off for the batch (disable_by_batch_size) do steps overlap.
             outputs += self._finish_step(inflight)
             self._inflight = inflight = None
         if self.drafter is not None:  # drafts, or none for any while drafting is off

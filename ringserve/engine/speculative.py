@@ -49,8 +49,8 @@ class Drafter:
         self._kept: weakref.WeakKeyDictionary[Sequence, float] = weakref.WeakKeyDictionary()
 
     def drafting(self, batch_size: int) -> bool:
-        """Whether sequences draft in a step of batch_size sequences (a replica's, under data
-        parallelism): not at disable_by_batch_size."""
+        """Whether sequences draft in a step of batch_size sequences (under data parallelism
+        the largest replica's: the replicas step together): not at disable_by_batch_size."""
         limit = self.config.disable_by_batch_size
         return limit is None or batch_size < limit
 

@@ -81,6 +81,11 @@ class Eagle3Checkpoint:
                 f"EAGLE-3 head {path} reads hidden states of width {target_hidden}; the model's are "
                 f"{target.hidden_size}: it was trained for another model"
             )
+        if config.hidden_size != target.hidden_size:
+            raise ModelLoadError(
+                f"EAGLE-3 head {path} is {config.hidden_size} wide and the model {target.hidden_size}: "
+                "a head of another width than its model is not supported (it shares the model's embedding)"
+            )
         n = target.num_hidden_layers
         layers = tuple(raw.get("eagle_aux_hidden_state_layer_ids") or (2, n // 2, n - 3))
         if len(layers) != 3 or not all(0 < i < n for i in layers):
@@ -93,29 +98,51 @@ class Eagle3Checkpoint:
     def tensors(self) -> dict[str, torch.Tensor]:
         return read_tensors(self.path)
 
+    def has_embedding(self) -> bool:
+        """Whether it has an embedding of its own (read from safetensors headers; a .bin
+        counts as none)."""
+        from safetensors import safe_open
+
+        for path in weight_files(self.path):
+            if path.endswith(".safetensors"):
+                with safe_open(path, framework="pt", device="cpu") as f:
+                    if "embed_tokens.weight" in f.keys():
+                        return True
+        return False
+
+    def weight_bytes(self) -> int:
+        """Its weight files' bytes: what its weights take at most in memory."""
+        return sum(os.path.getsize(f) for f in weight_files(self.path))
+
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """The hidden-state cache's bytes per token slot (one [H] mix)."""
         return self.config.hidden_size * torch.empty((), dtype=dtype).element_size()
 
 
+def weight_files(path: str) -> list[str]:
+    """An EAGLE-3 checkpoint's weight files: its .safetensors, or else its PyTorch .bin."""
+    names = sorted(os.listdir(path))
+    files = [n for n in names if n.endswith(".safetensors")] or [n for n in names if n.endswith(".bin")]
+    if not files:
+        raise ModelLoadError(f"EAGLE-3 head {path}: no .safetensors or .bin weights")
+    return [os.path.join(path, n) for n in files]
+
+
 def read_tensors(path: str, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of an EAGLE-3 checkpoint by name (safetensors, or a PyTorch .bin): all of
-    them, or only `names` (from safetensors without reading the others)."""
+    """The tensors of an EAGLE-3 checkpoint by name (weight_files): all of them, or only
+    `names` (from safetensors without reading the others)."""
     from safetensors import safe_open
 
     out = {}
-    for name in sorted(os.listdir(path)):
-        full = os.path.join(path, name)
-        if name.endswith(".safetensors"):
+    for full in weight_files(path):
+        if full.endswith(".safetensors"):
             with safe_open(full, framework="pt", device="cpu") as f:
                 for key in f.keys():
                     if names is None or key in names:
                         out[key] = f.get_tensor(key)
-        elif name.endswith(".bin"):
+        else:
             tensors = torch.load(full, map_location="cpu", weights_only=True)
             out.update(tensors if names is None else {k: v for k, v in tensors.items() if k in names})
-    if not out:
-        raise ModelLoadError(f"EAGLE-3 head {path}: no .safetensors or .bin weights")
     return out
 
 
@@ -255,15 +282,16 @@ class Eagle3Head(nn.Module):
         draft = logits.argmax(dim=-1)
         return draft + self.d2t[draft]
 
-    def load(self, tensors: dict[str, torch.Tensor], target_embedding: torch.Tensor | None) -> None:
+    def load(self, tensors: dict[str, torch.Tensor], target_embedding: torch.Tensor) -> None:
         """The checkpoint's tensors (Eagle3Checkpoint.tensors) into the head; the embedding is
-        the target's (shared, not copied) unless the checkpoint has its own."""
+        the target's (shared, not copied) unless the checkpoint has its own. A head over the
+        whole vocabulary may leave d2t out (every offset 0, as vLLM reads it)."""
         layer = self.model.layers[0]
-        own = {
-            "norm.weight": self.model.norm.weight,
-            "lm_head.weight": self.lm_head.weight,
-            "d2t": self.d2t,
-        }
+        own = {"norm.weight": self.model.norm.weight, "lm_head.weight": self.lm_head.weight}
+        if "d2t" in tensors or self.d2t.shape[0] < self.config.vocab_size:
+            own["d2t"] = self.d2t
+        else:
+            self.d2t.zero_()
         for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
             own[f"midlayer.{name}.weight"] = getattr(layer, name).weight
         own["midlayer.self_attn.o_proj.weight"] = layer.self_attn.o_proj.weight
@@ -289,10 +317,8 @@ class Eagle3Head(nn.Module):
             embedding = tensors.get("embed_tokens.weight")
             if embedding is not None:
                 _copy(self.model.embed_tokens.weight, embedding, "embed_tokens.weight")
-            elif target_embedding is not None:
-                self.model.embed_tokens.weight = nn.Parameter(target_embedding, requires_grad=False)
             else:
-                raise ModelLoadError("EAGLE-3 head: no embed_tokens.weight, and the model's is not at hand")
+                self.model.embed_tokens.weight = nn.Parameter(target_embedding, requires_grad=False)
 
 
 def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:

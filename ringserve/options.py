@@ -152,7 +152,7 @@ class EngineOptions:
         "prompt_lookup_min to prompt_lookup_max) and checks them in one forward pass; "
         '{"model": "/models/small", "num_speculative_tokens": 4} has a draft model with the same '
         'tokenizer guess them, {"method": "eagle3", "model": "/models/head", ...} an EAGLE-3 head. '
-        "The output is the same as without it. Every layout (an EAGLE-3 head: dp=1); "
+        "The output is the same as without it, in every layout; "
         "under async scheduling steps overlap only while disable_by_batch_size stops drafting",
     )
     enforce_eager: bool = _opt(

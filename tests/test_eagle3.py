@@ -225,12 +225,14 @@ def test_greedy_output_equals_the_engine_without_speculation(target, head):
     assert spec == plain and stats.num_drafts > 100, stats
 
 
-@pytest.mark.parametrize("layout", ["seeded", "preempted", "tp2", "cp2"])
+@pytest.mark.parametrize("layout", ["seeded", "preempted", "tp2", "cp2", "dp2", "dp2cp2"])
 def test_output_equals_the_engine_without_speculation(target, head, tmp_path, layout):
     """Seeded sampling draw for draw; too few blocks (preemption frees a sequence's hidden
     states and the head's cache with them); tp=2 (the head on rank 0 reads the embedding
     from the target's files, its checkpoint having none); cp=2 (each rank computes its own
-    tokens' hidden states, gathered to rank 0 by global slot)."""
+    tokens' hidden states, gathered to rank 0 by global slot); dp=2 (each replica's, whose
+    block ids and rows overlap the other's, gathered to rank 0); both (a replica's gathered
+    on its CP rank 0, then the replicas' on rank 0)."""
     prompts = varied_prompts(8, seed=3)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     options = {}
@@ -239,9 +241,9 @@ def test_output_equals_the_engine_without_speculation(target, head, tmp_path, la
     elif layout == "preempted":
         options = dict(num_blocks=30, max_model_len=96)
     else:
-        options = {layout[:2]: 2, "timeout_s": 60}
+        options = {layout[i : i + 2]: 2 for i in range(0, len(layout), 3)} | {"timeout_s": 60}
     plain, _, _ = generate_tokens(
-        target, prompts, params, **{k: v for k, v in options.items() if k not in ("tp", "cp")}
+        target, prompts, params, **{k: v for k, v in options.items() if k not in ("tp", "cp", "dp")}
     )
     with LLM(
         target, device="cpu", dtype="float32", block_size=4, speculative_config=_eagle(head), **options
@@ -323,13 +325,3 @@ def test_the_kv_budget_holds_the_heads_caches(target, head):
         assert llm.engine.block_manager.num_blocks == budget // per_block
         # every block's slots and the scratch block's (padded rows of a graph write there)
         assert llm.engine.drafter.capture.cache.shape == ((budget // per_block + 1) * 4, c.hidden_size)
-
-
-def test_a_head_is_off_with_a_warning_under_data_parallelism(target, head, caplog):
-    """The head reads rank 0's hidden states: one replica's."""
-    with LLM(
-        target, device="cpu", dtype="float32", dp=2, timeout_s=60, speculative_config=_eagle(head)
-    ) as llm:
-        assert llm.engine.drafter is None
-        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids) == 3
-    assert "speculative decoding is off: a eagle3 proposer" in caplog.text

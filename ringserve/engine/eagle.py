@@ -93,8 +93,10 @@ class Eagle3Drafter(PagedDrafter):
         capture,
         table_group,
         max_pass_tokens,
+        replica_blocks,
+        replica_rows,
     ):
-        super().__init__(config, runner, table_group, max_pass_tokens)
+        super().__init__(config, runner, table_group, max_pass_tokens, replica_blocks, replica_rows)
         self.head = head
         self.capture = capture  # the target's HiddenCapture: its cache holds the head's input
 
@@ -110,10 +112,13 @@ class Eagle3Drafter(PagedDrafter):
         engine_config: EngineConfig,
         max_model_len: int,
         num_blocks: int,
+        replicas: int = 1,
     ) -> Eagle3Drafter:
         """target_model: rank 0's Transformer, with its HiddenCapture (and, on one rank, the
         embedding the head shares when its checkpoint has none; under tensor parallelism
-        it is read from the target's folder, target_path)."""
+        it is read from the target's folder, target_path). num_blocks: a replica's pool
+        (every CP rank's blocks); replicas: data-parallel replicas, whose blocks and rows
+        the head's cache and runner all hold."""
         checkpoint = draft.checkpoint
         with torch.device("meta"), default_dtype(dtype):
             head = Eagle3Head(checkpoint)
@@ -129,7 +134,7 @@ class Eagle3Drafter(PagedDrafter):
         c = checkpoint.config
         kv_cache = KVCache(
             KVGroups.for_model(c),
-            num_blocks,
+            num_blocks * replicas,
             engine_config.block_size,
             c.num_key_value_heads,
             c.head_dim,
@@ -143,11 +148,11 @@ class Eagle3Drafter(PagedDrafter):
             device,
             all_reduce,
             LocalExperts(all_reduce),
-            engine_config.max_num_seqs,
+            engine_config.max_num_seqs * replicas,
             max_model_len,
         )
         # The head's input and output hidden states: buffers its graphs read and write in place.
-        rows = min(engine_config.max_num_seqs, MAX_GRAPH_BATCH)
+        rows = min(engine_config.max_num_seqs * replicas, MAX_GRAPH_BATCH)
         head.hidden_in = torch.zeros(rows, c.hidden_size, dtype=dtype, device=device)
         head.hidden_out = torch.zeros_like(head.hidden_in)
         if device.type == "cuda" and not engine_config.enforce_eager:
@@ -174,6 +179,8 @@ class Eagle3Drafter(PagedDrafter):
             target_model.hidden_capture,
             draft.table_group,
             engine_config.prefill_budget(),
+            num_blocks,
+            engine_config.max_num_seqs,
         )
 
     @torch.inference_mode()
@@ -250,8 +257,10 @@ class Eagle3Drafter(PagedDrafter):
             head.hidden_in, head.hidden_out = buffers
 
     def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        """[end - start] int64: the hidden-state cache slots of seq's positions start .. end - 1."""
+        """[end - start] int64: the hidden-state cache slots of seq's positions start .. end - 1
+        (its replica's blocks after the other replicas', as in HiddenCapture)."""
         bs = self.runner.kv_cache.block_size
         positions = torch.arange(start, end)
         table = torch.tensor(seq.block_tables[self.table_group][start // bs : (end - 1) // bs + 1])
+        table += seq.replica * self.replica_blocks
         return table[positions // bs - start // bs] * bs + positions % bs

@@ -151,16 +151,13 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(options.tokenizer or self.model_path)
         self.kv_groups = KVGroups.for_model(config)  # the workers' grouping
         self.speculative = options.speculative()
-        # An EAGLE-3 head reads rank 0's hidden states: one replica's (for now).
-        speculating = self.speculative is not None and (
-            parallel.dp == 1 or self.speculative.method != "eagle3"
-        )
         draft = None  # a draft model or EAGLE-3 head, checked before any weight is loaded
-        if speculating and self.speculative.method == "draft_model":
+        spec_method = self.speculative.method if self.speculative is not None else None
+        if spec_method == "draft_model":
             draft = DraftModel.check(
                 self.speculative, config, self.kv_groups, self.tokenizer, self.show_progress
             )
-        elif speculating and self.speculative.method == "eagle3":
+        elif spec_method == "eagle3":
             draft = Eagle3Draft.check(self.speculative, config, self.kv_groups)
         spec = WorkerSpec(
             self.model_path,
@@ -231,14 +228,7 @@ class LLMEngine:
         self.async_scheduling = options.resolved_async_scheduling(self.device)
         self.drafter = None  # speculative decoding's (engine/speculative.py)
         self.spec_stats = SpecDecodeStats()
-        if self.speculative is not None and not speculating:
-            logger.warning(
-                "speculative decoding is off: a %s proposer runs on one replica (dp=1), for now; "
-                "this engine has dp=%d (prompt lookup and draft models run on any)",
-                self.speculative.method,
-                parallel.dp,
-            )
-        elif isinstance(draft, Eagle3Draft):
+        if isinstance(draft, Eagle3Draft):
             self.drafter = Eagle3Drafter.start(
                 self.speculative,
                 draft,
@@ -249,6 +239,7 @@ class LLMEngine:
                 ec,
                 self.max_model_len,
                 num_blocks,  # every CP rank's pool, as the hidden-state cache
+                parallel.dp,
             )
         elif draft is not None:
             self.drafter = DraftModelDrafter.start(

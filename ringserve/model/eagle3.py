@@ -151,11 +151,14 @@ class HiddenCapture(nn.Module):
     to `cache` [slots, H] at the token's slot in KV group `group`. fc is applied a part at a
     time (acc += h_j @ fc_j^T), so no [T, 3H] concatenation is ever held.
 
-    Under context parallelism each rank computes its own tokens: every rank (of tensor rank
-    0) keeps its step's mixes, and the runner gathers them to CP rank 0 (`gather`), whose
-    cache holds every rank's slots: rank r's local slot s is slot r * slots_per_rank + s,
-    i.e. block id * block_size + offset with the engine's block ids (parallel/cp/layout.py).
-    The other ranks keep no cache (zero slots)."""
+    Only rank 0 keeps a cache (the other ranks' has zero slots), with every CP rank's and
+    every data-parallel replica's slots: slot (replica r, CP rank c, local slot s) is
+    r * replica_slots + c * rank_slots + s, i.e. the engine's block id * block_size + offset
+    with the drafter's replica offset (parallel/cp/layout.py, engine/draft_model.py). Under
+    context or data parallelism (`travels`) each rank of tensor rank 0 keeps its step's
+    mixes with their slots (step_mix, step_slots); after the forward the runner gathers a
+    replica's to its CP rank 0 (`gather_ring`), and the replicas' leaders theirs to rank 0
+    (`gather_replicas`), which stores them."""
 
     def __init__(
         self,
@@ -163,7 +166,9 @@ class HiddenCapture(nn.Module):
         fc_weight: torch.Tensor,
         cache: torch.Tensor,
         group: int,
-        ring: bool = False,
+        rank_slots: int = 0,
+        cp: int = 1,
+        replicas: int = 1,
     ):
         super().__init__()
         self.layers = layers
@@ -171,39 +176,75 @@ class HiddenCapture(nn.Module):
         self.parts = [fc_weight[:, j * width : (j + 1) * width] for j in range(len(layers))]
         self.cache = cache
         self.group = group
-        self.ring = ring  # under CP: mixes wait in step_mix for the runner's gather
-        self.step_mix: torch.Tensor | None = None  # [T_mine, H], this rank's tokens of the step
+        self.rank_slots = rank_slots  # slots of one CP rank's pool (its blocks x block size)
+        self.replica_slots = cp * rank_slots
+        self.ring = cp > 1  # a replica's mixes meet on its CP rank 0
+        self.replicas = replicas
+        self.step_mix: torch.Tensor | None = None  # [T, H] of this rank's (or replica's) tokens
+        self.step_slots: torch.Tensor | None = None  # [T] int64, their slots in the replica
 
     @classmethod
     def start(
-        cls, path: str, layers, group: int, num_slots: int, hidden: int, dtype, device, ring: bool = False
+        cls, path: str, layers, group: int, num_slots: int, hidden: int, dtype, device, **layout
     ) -> HiddenCapture:
-        """The head's fc from its checkpoint at `path`, and an empty cache of num_slots mixes."""
+        """The head's fc from its checkpoint at `path`, and an empty cache of num_slots mixes;
+        layout: rank_slots, cp and replicas (the constructor's)."""
         fc = read_tensors(path, ("fc.weight",))["fc.weight"].to(device=device, dtype=dtype)
         cache = torch.zeros(num_slots, hidden, dtype=dtype, device=device)
-        return cls(tuple(layers), fc, cache, group, ring)
+        return cls(tuple(layers), fc, cache, group, **layout)
+
+    @property
+    def travels(self) -> bool:
+        """Whether the step's mixes go to rank 0 after the forward, rather than into the cache."""
+        return self.ring or self.replicas > 1
 
     def add(self, layer: int, hidden: torch.Tensor, acc: torch.Tensor | None) -> torch.Tensor:
         part = self.parts[self.layers.index(layer)]
         return torch.matmul(hidden, part.t()) if acc is None else torch.addmm(acc, hidden, part.t())
 
     def store(self, mix: torch.Tensor, ctx) -> None:
-        if self.ring:
-            self.step_mix = mix
+        if self.travels:
+            self.step_mix, self.step_slots = mix, ctx.slot_mapping[self.group]
         else:
             self.cache.index_copy_(0, ctx.slot_mapping[self.group], mix.to(self.cache.dtype))
 
-    def gather(self, owners: torch.Tensor, slots: torch.Tensor, slots_per_rank: int, cp_group) -> None:
-        """Under CP, after the step's forward: owners [T] (the rank computing each of the
-        step's tokens, packed order), slots [T] (its local slot in KV group `group`) -> every
-        rank's mixes in CP rank 0's cache."""
+    def gather_ring(self, owners: torch.Tensor, cp_group) -> None:
+        """Under CP, after the step's forward: owners [T] (the CP rank computing each of the
+        step's tokens, packed order) -> the replica's mixes and their slots on its CP rank 0
+        (stored there when it is rank 0)."""
         counts = torch.bincount(owners, minlength=dist.get_world_size(cp_group)).tolist()
-        mixes, self.step_mix = gather_rows(self.step_mix, counts, cp_group), None
+        mixes = gather_rows(self.step_mix, counts, cp_group)
+        slots = gather_rows(self.step_slots.to(torch.int64), counts, cp_group)
+        self.step_mix = self.step_slots = None
         if mixes is None:  # not CP rank 0
             return
-        for rank, rows in enumerate(mixes):
-            where = (slots[owners == rank] + rank * slots_per_rank).to(self.cache.device)
-            self.cache.index_copy_(0, where, rows.to(self.cache.dtype))
+        offsets = [rank * self.rank_slots + s.to(mixes[0].device) for rank, s in enumerate(slots)]
+        self.step_mix, self.step_slots = torch.cat(mixes), torch.cat(offsets)
+        if self.replicas == 1:
+            self._flush(0)
+
+    def gather_replicas(self, counts: list[int], dp_group) -> None:
+        """Under data parallelism, on a replica's leader after its forward (counts: each
+        replica's new tokens this step, 0 for an idle one) -> every replica's mixes in rank
+        0's cache."""
+        if counts[dist.get_rank(dp_group)]:
+            mix, slots = self.step_mix, self.step_slots
+        else:  # an idle replica (nothing computed this step) sends none
+            mix = self.parts[0].new_zeros(0, self.parts[0].shape[0])
+            slots = torch.zeros(0, dtype=torch.int64, device=mix.device)
+        mixes = gather_rows(mix, counts, dp_group)
+        slots = gather_rows(slots.to(torch.int64), counts, dp_group)
+        self.step_mix = self.step_slots = None
+        if mixes is None:  # not rank 0
+            return
+        for replica, (rows, where) in enumerate(zip(mixes, slots)):
+            self.step_mix, self.step_slots = rows, where
+            self._flush(replica)
+
+    def _flush(self, replica: int) -> None:
+        where = self.step_slots.to(self.cache.device) + replica * self.replica_slots
+        self.cache.index_copy_(0, where, self.step_mix.to(self.cache.dtype))
+        self.step_mix = self.step_slots = None
 
 
 class _Backbone(nn.Module):

@@ -115,6 +115,9 @@ def run_replica_step(worker, step: DataParallelStep, all_logits: bool) -> torch.
         join_expert_layers(worker.model, worker.run_experts)
     if not groups.replica_leader:
         return None
+    capture = worker.model.hidden_capture  # an EAGLE-3 head's input: every replica's to rank 0
+    if capture is not None:
+        capture.gather_replicas([sum(len(t) for t in s.token_ids) for s in step.replicas], groups.dp_group)
     longest = max(sum(counts) for counts in step.logit_counts(all_logits))
     if logits is not None and logits.shape[0] == longest:
         padded = logits.contiguous()

@@ -110,10 +110,7 @@ class ModelRunner:
         all_ids = torch.tensor([t for tokens in step.token_ids for t in tokens], dtype=torch.int64)
         # Which packed new-token rows give logits, and which rank computes each of them.
         self._rows = _CPRows(
-            ring_step.owners,
-            ring_step.slots,
-            torch.tensor(step.logit_rows(), dtype=torch.int64),
-            self.cp_size,
+            ring_step.owners, torch.tensor(step.logit_rows(), dtype=torch.int64), self.cp_size
         )
         local_rows = self._rows.local_logit_rows(self.cp_rank)
         dev = self.device
@@ -302,8 +299,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, ctx)
         capture = self.model.hidden_capture  # an EAGLE-3 head's input (model/eagle3.py)
         if self.cp_size > 1 and capture is not None:
-            slots_per_rank = self.kv_cache.num_blocks * self.kv_cache.block_size
-            capture.gather(self._rows.owners, self._rows.slots[capture.group], slots_per_rank, self.cp_group)
+            capture.gather_ring(self._rows.owners, self.cp_group)
         logits = self._gather_vocab(self.model.compute_logits(hidden if all_logits else hidden[logit_rows]))
         if self.cp_size > 1:
             logits = self._rows.gather(logits, all_logits, self.cp_group, self.cp_rank)
@@ -338,9 +334,8 @@ class ModelRunner:
 class _CPRows:
     """Which CP rank computes each new-token row of a step, to put gathered logits in order."""
 
-    def __init__(self, owners: torch.Tensor, slots: torch.Tensor, logit_rows: torch.Tensor, cp_size: int):
+    def __init__(self, owners: torch.Tensor, logit_rows: torch.Tensor, cp_size: int):
         self.owners = owners  # [T] rank computing each packed new token
-        self.slots = slots  # [G, T] its KV slot in each KV group, local to its rank
         self.logit_rows = logit_rows  # [R] packed rows whose logits the step returns, in order
         self.cp_size = cp_size
 

@@ -61,7 +61,7 @@ class Worker:
         speculative decoding with a draft model (engine/draft_model.py), which the KV budget
         leaves room for. eagle3_capture: (an EAGLE-3 head's folder, the layers it reads, the
         KV group whose slots its hidden-state cache follows): rank 0 keeps that input of the
-        head for every token (engine/eagle.py), under CP gathered from every CP rank."""
+        head for every token (engine/eagle.py), gathered from every CP rank and replica."""
         self.draft_memory = draft_memory
         self.groups = groups
         self.device = groups.device
@@ -109,9 +109,10 @@ class Worker:
             self.device,
         )
         if eagle3_capture is not None and groups.tp_rank == 0:  # before any graph is captured
-            # Rank 0's cache holds every CP rank's slots; the other CP ranks send theirs.
+            # Rank 0's cache holds every CP rank's and replica's slots; the others send theirs.
             path, layers, group = eagle3_capture
-            slots = (groups.cp_size * self.num_blocks + 1) * ec.block_size  # and a scratch block
+            rank_slots = self.num_blocks * ec.block_size
+            slots = groups.dp_size * groups.cp_size * rank_slots + ec.block_size  # and a scratch block
             self.model.hidden_capture = HiddenCapture.start(
                 path,
                 layers,
@@ -120,7 +121,9 @@ class Worker:
                 config.hidden_size,
                 dtype,
                 self.device,
-                ring=groups.cp_size > 1,
+                rank_slots=rank_slots,
+                cp=groups.cp_size,
+                replicas=groups.dp_size,
             )
         self.runner = ModelRunner(
             self.model,

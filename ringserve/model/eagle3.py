@@ -156,9 +156,11 @@ class HiddenCapture(nn.Module):
     r * replica_slots + c * rank_slots + s, i.e. the engine's block id * block_size + offset
     with the drafter's replica offset (parallel/cp/layout.py, engine/draft_model.py). Under
     context or data parallelism (`travels`) each rank of tensor rank 0 keeps its step's
-    mixes with their slots (step_mix, step_slots); after the forward the runner gathers a
-    replica's to its CP rank 0 (`gather_ring`), and the replicas' leaders theirs to rank 0
-    (`gather_replicas`), which stores them."""
+    mixes with their slots; after the forward the runner gathers a replica's to its CP rank
+    0 (`gather_ring`), and the replicas' leaders theirs to rank 0 (`gather_replicas`), which
+    stores them. A step of at most staging_rows tokens (every step a decode graph replays)
+    keeps them in persistent buffers, written inside the captured region, so a replay
+    refreshes them; a longer (eager) step keeps references to its own tensors."""
 
     def __init__(
         self,
@@ -169,6 +171,7 @@ class HiddenCapture(nn.Module):
         rank_slots: int = 0,
         cp: int = 1,
         replicas: int = 1,
+        staging_rows: int = 0,
     ):
         super().__init__()
         self.layers = layers
@@ -180,15 +183,20 @@ class HiddenCapture(nn.Module):
         self.replica_slots = cp * rank_slots
         self.ring = cp > 1  # a replica's mixes meet on its CP rank 0
         self.replicas = replicas
-        self.step_mix: torch.Tensor | None = None  # [T, H] of this rank's (or replica's) tokens
-        self.step_slots: torch.Tensor | None = None  # [T] int64, their slots in the replica
+        # A step's mixes [T, H] and their slots [T] in the replica: in the staging buffers
+        # (None here), or a longer eager step's own tensors.
+        self.step_mix: torch.Tensor | None = None
+        self.step_slots: torch.Tensor | None = None
+        rows = staging_rows if self.travels else 0
+        self.staging = fc_weight.new_zeros(rows, fc_weight.shape[0])
+        self.staging_slots = torch.zeros(rows, dtype=torch.int64, device=fc_weight.device)
 
     @classmethod
     def start(
         cls, path: str, layers, group: int, num_slots: int, hidden: int, dtype, device, **layout
     ) -> HiddenCapture:
         """The head's fc from its checkpoint at `path`, and an empty cache of num_slots mixes;
-        layout: rank_slots, cp and replicas (the constructor's)."""
+        layout: rank_slots, cp, replicas and staging_rows (the constructor's)."""
         fc = read_tensors(path, ("fc.weight",))["fc.weight"].to(device=device, dtype=dtype)
         cache = torch.zeros(num_slots, hidden, dtype=dtype, device=device)
         return cls(tuple(layers), fc, cache, group, **layout)
@@ -203,19 +211,32 @@ class HiddenCapture(nn.Module):
         return torch.matmul(hidden, part.t()) if acc is None else torch.addmm(acc, hidden, part.t())
 
     def store(self, mix: torch.Tensor, ctx) -> None:
-        if self.travels:
-            self.step_mix, self.step_slots = mix, ctx.slot_mapping[self.group]
+        slots = ctx.slot_mapping[self.group]
+        if not self.travels:
+            self.cache.index_copy_(0, slots, mix.to(self.cache.dtype))
+        elif mix.shape[0] <= self.staging.shape[0]:
+            self.staging[: mix.shape[0]].copy_(mix)
+            self.staging_slots[: mix.shape[0]].copy_(slots)
+            self.step_mix = self.step_slots = None  # (an earlier eager step's, never gathered)
         else:
-            self.cache.index_copy_(0, ctx.slot_mapping[self.group], mix.to(self.cache.dtype))
+            self.step_mix, self.step_slots = mix, slots.to(torch.int64)
+
+    def _step(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's step: count tokens' mixes [count, H] and slots [count]."""
+        if self.step_mix is not None:
+            mix, slots = self.step_mix[:count], self.step_slots[:count]
+            self.step_mix = self.step_slots = None
+            return mix, slots
+        return self.staging[:count], self.staging_slots[:count]
 
     def gather_ring(self, owners: torch.Tensor, cp_group) -> None:
         """Under CP, after the step's forward: owners [T] (the CP rank computing each of the
         step's tokens, packed order) -> the replica's mixes and their slots on its CP rank 0
         (stored there when it is rank 0)."""
         counts = torch.bincount(owners, minlength=dist.get_world_size(cp_group)).tolist()
-        mixes = gather_rows(self.step_mix, counts, cp_group)
-        slots = gather_rows(self.step_slots.to(torch.int64), counts, cp_group)
-        self.step_mix = self.step_slots = None
+        mix, slots = self._step(counts[dist.get_rank(cp_group)])
+        mixes = gather_rows(mix, counts, cp_group)
+        slots = gather_rows(slots, counts, cp_group)
         if mixes is None:  # not CP rank 0
             return
         offsets = [rank * self.rank_slots + s.to(mixes[0].device) for rank, s in enumerate(slots)]
@@ -227,14 +248,9 @@ class HiddenCapture(nn.Module):
         """Under data parallelism, on a replica's leader after its forward (counts: each
         replica's new tokens this step, 0 for an idle one) -> every replica's mixes in rank
         0's cache."""
-        if counts[dist.get_rank(dp_group)]:
-            mix, slots = self.step_mix, self.step_slots
-        else:  # an idle replica (nothing computed this step) sends none
-            mix = self.parts[0].new_zeros(0, self.parts[0].shape[0])
-            slots = torch.zeros(0, dtype=torch.int64, device=mix.device)
+        mix, slots = self._step(counts[dist.get_rank(dp_group)])  # none for an idle replica
         mixes = gather_rows(mix, counts, dp_group)
-        slots = gather_rows(slots.to(torch.int64), counts, dp_group)
-        self.step_mix = self.step_slots = None
+        slots = gather_rows(slots, counts, dp_group)
         if mixes is None:  # not rank 0
             return
         for replica, (rows, where) in enumerate(zip(mixes, slots)):
@@ -242,6 +258,7 @@ class HiddenCapture(nn.Module):
             self._flush(replica)
 
     def _flush(self, replica: int) -> None:
+        """The gathered step (step_mix, step_slots) into the cache, at replica's slots."""
         where = self.step_slots.to(self.cache.device) + replica * self.replica_slots
         self.cache.index_copy_(0, where, self.step_mix.to(self.cache.dtype))
         self.step_mix = self.step_slots = None

@@ -124,6 +124,7 @@ class Worker:
                 rank_slots=rank_slots,
                 cp=groups.cp_size,
                 replicas=groups.dp_size,
+                staging_rows=min(ec.max_num_seqs, MAX_GRAPH_BATCH),  # a decode graph's tokens
             )
         self.runner = ModelRunner(
             self.model,

@@ -78,17 +78,24 @@ def check_kernels(device) -> dict:
     same("qkv_rope_store k", caches[0][slots[:4]], quantize_kv(fused[1], scales[0]))
     same("qkv_rope_store v", caches[1][slots[:4]], quantize_kv(fused[2], scales[1]))
 
-    # FP8 weights: the skinny kernel (x quantised per row inside) against scaled_mm's w8a8
+    # FP8 weights: the skinny kernel (weight-only) against the dequantised weight in float32,
+    # and against scaled_mm's w8a8 (x quantised per row: what the activations' scales lose)
     for n, k in ((4096, 4096), (28672, 4096), (4096, 14336)):
         w8, w_scale = S.quantize_rows((torch.randn(n, k, device=device) / k**0.5).to(dt))
         w_scale = w_scale[:, 0].contiguous()
         for m in (1, 16):
             xm = torch.randn(m, k, device=device).to(dt)
-            got = S.linear(xm, w8, weight_scale=w_scale)
-            want = S.fp8_matmul(torch.cat([xm, xm]), w8, w_scale)[:m]  # 2m rows: scaled_mm, not skinny
-            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            got = S.linear(xm, w8, weight_scale=w_scale).float()
+            want = xm.float() @ w8.float().t() * w_scale
+            w8a8 = S.fp8_matmul(torch.cat([xm, xm]), w8, w_scale)[:m].float()  # 2m rows: scaled_mm
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            err_w8a8 = ((w8a8 - want).abs().max() / want.abs().max()).item()
             out[f"skinny_fp8_{n}x{k}_m{m}_rel_err"] = err
-            print(f"  skinny FP8 {n}x{k} rows {m}: max |diff| / max |y| against scaled_mm {err:.2e}")
+            out[f"scaled_mm_fp8_{n}x{k}_m{m}_rel_err"] = err_w8a8
+            print(
+                f"  skinny FP8 {n}x{k} rows {m}: max |diff| / max |y| against float32 {err:.2e} "
+                f"(scaled_mm's w8a8: {err_w8a8:.2e})"
+            )
 
     # FP8 experts: one grouped matmul (torch's scaled grouped mm) against each expert's
     # scaled_mm, Qwen3-30B-A3B's gate shape (128 experts, 768 x 2048), 2,000 rows unevenly

@@ -17,6 +17,15 @@ written and read back and no separate activation kernel runs.
 (each program reads the weight rows of column pairs (i, i + D/2) of one head, the pairs the
 rotation mixes), so no RoPE + store kernel runs between it and the paged attention kernel.
 
+FP8 weights (--quantization fp8, row-wise FP8 checkpoints: e4m3 with a float32 scale per
+row) are read weight-only here: each e4m3 value converted exactly to x's dtype in registers,
+the products with x's own values summed in float32, then each column times its row's scale
+(and the bias). At a few rows the matmul is a read of W, so quantising x to e4m3 as the
+tensor-core path does (fp8_matmul) would buy nothing and cost a kernel before each matmul
+(~12 us a layer on an H100, 0.38 ms a Llama-3-8B step) and the accuracy that per-token
+activation scales lose (bench/fp8_accuracy.py: +0.11% perplexity for the weights alone,
++2.26% with the activations quantised too, on SmolLM2-135M).
+
 Everywhere else (the CPU, float32, more rows, shards too narrow to fill the GPU, K that no
 block divides) `linear` is F.linear, `gated_linear` F.linear and the activation kernel, and
 `qkv_rope_store` returns None (the caller runs F.linear and kernels.rotary_store_kv).
@@ -61,7 +70,8 @@ def linear(
     (pdl: launched with programmatic dependent launch where the GPU has it, ringserve.kernels.pdl).
     out: a contiguous [M, N] tensor (float32 for the LM head's logits) to write the result
     into, rounded to x's dtype first, as F.linear(...).to(out.dtype) would be.
-    weight_scale: weight is FP8 with this float32 scale per row [N] (fp8_matmul)."""
+    weight_scale: weight is FP8 with this float32 scale per row [N]: fp8_matmul's arithmetic,
+    or the skinny kernel's weight-only form (the module docstring)."""
     plan = skinny_plan(x, weight)
     if plan is None:
         y = F.linear(x, weight, bias) if weight_scale is None else fp8_matmul(x, weight, weight_scale, bias)
@@ -149,13 +159,10 @@ def skinny_qkv_rope(
     v = torch.empty(tokens, num_kv, head_dim, dtype=x.dtype, device=x.device)
     cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
     pairs, block_k, stages = plan[0] // 2, plan[1], plan[2]
-    x_scale = cos  # read only if W_FP8
-    if weight_scale is not None:  # x's rows in e4m3 once, before the matmul's programs read them
-        x, x_scale = quantize_rows(x, pdl=pdl)
     launch = launch_options(x, pdl)
     k_scale, v_scale = kv_scales if kv_scales is not None else (cos, cos)  # read only if QUANT
     _qkv_rope_kernel[((num_q + 2 * num_kv) * (half // pairs),)](
-        x, x_scale, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else x, cos, sin,
+        x, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else x, cos, sin,
         q, k, v, k_cache, v_cache, slots, k_scale, v_scale, tokens, x.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), K=x.shape[1],
         HAS_BIAS=bias is not None, QUANT=kv_scales is not None, W_FP8=weight_scale is not None,
@@ -204,7 +211,7 @@ def fp8_matmul(
     fp8): weight [N, K] e4m3 with a float32 scale per row [N]; x [M, K] quantised to e4m3 per
     row (per token, dynamic); the products of the e4m3 values summed in float32 and scaled by
     both. torch's scaled_mm on a GPU with FP8 tensor cores; the same arithmetic in float32
-    elsewhere (the skinny kernel's too, at decode)."""
+    elsewhere. (The skinny kernel, at decode on a GPU, reads the weights weight-only.)"""
     xq, x_scale = quantize_rows(x)
     n, k = weight.shape
     if x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9) and n % 16 == 0 and k % 16 == 0:
@@ -304,7 +311,7 @@ def skinny_linear(
     """x @ weight^T + bias; with an activation, act(gate) * up of the two halves of weight.
     plan: skinny_plan's, or (BLOCK_N, BLOCK_K, num_stages) writing BLOCK_N columns a program.
     out: [M, N] contiguous, of any float dtype, written instead of a new tensor of x's.
-    weight_scale: weight is FP8 (fp8_matmul's format); x's rows are quantised first, once."""
+    weight_scale: weight is FP8 (fp8_matmul's format), read weight-only (the module docstring)."""
     m, k = x.shape
     n = weight.shape[0] if activation is None else weight.shape[0] // 2
     block_n, block_k, stages = plan[:3]
@@ -312,12 +319,9 @@ def skinny_linear(
     if out is not None and (out.shape != (m, n) or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous [{m}, {n}] tensor, not {tuple(out.shape)}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    x_scale = y  # read only if W_FP8
-    if weight_scale is not None:  # x's rows in e4m3 once, before the matmul's programs read them
-        x, x_scale = quantize_rows(x, pdl=pdl)
     launch = launch_options(x, pdl)
     _skinny_kernel[(triton.cdiv(n, cols),)](
-        x, x_scale, weight, weight_scale if weight_scale is not None else y, bias if bias is not None else y, y,
+        x, weight, weight_scale if weight_scale is not None else y, bias if bias is not None else y, y,
         m, n, x.stride(0), K=k, HAS_BIAS=bias is not None, ACT=0 if activation is None else _ACTIVATION_CODE[activation],
         BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, COLS=cols, W_FP8=weight_scale is not None,
         PDL=bool(launch), num_warps=4,
@@ -338,21 +342,20 @@ if triton is not None:
         (w_rows, and up_rows when GATED: pointers [BLOCK_N, 1]), read once over all of K
         (K % BLOCK_K == 0) against x's rows padded to BLOCK_M (masked; x stays in L2).
 
-        W_FP8: x and w hold e4m3 values (quantize_rows' and fp8_matmul's formats: the caller
-        multiplies by both scales), converted to float16 exactly, so the products are exact
-        and their sums float32."""
+        W_FP8: w holds e4m3 values (the caller multiplies by their rows' scales), converted
+        exactly to x's dtype in registers: weight-only FP8, x read as it is."""
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok, other=0.0)
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
-            if W_FP8:  # to float16, exact for e4m3 and one conversion instruction (bfloat16 takes more)
-                x, w = x.to(tl.float16), w.to(tl.float16)
+            if W_FP8:  # e4m3 -> x's dtype: exact (3 mantissa bits, a small exponent range)
+                w = w.to(x.dtype)
             acc += tl.dot(x, tl.trans(w))
             if GATED:
                 w_up = tl.load(up_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
                 if W_FP8:
-                    w_up = w_up.to(tl.float16)
+                    w_up = w_up.to(x.dtype)
                 acc_up += tl.dot(x, tl.trans(w_up))
         return acc, acc_up
 
@@ -385,10 +388,10 @@ if triton is not None:
 
     @triton.jit
     def _skinny_kernel(
-        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, M, N, stride_x, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+        x_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, M, N, stride_x, K: tl.constexpr, HAS_BIAS: tl.constexpr,
         ACT: tl.constexpr,  # 0: y = x @ w^T; 1 silu, 2 gelu (tanh): y = act(x @ gate^T) * x @ up^T
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr,
-        W_FP8: tl.constexpr = False,  # x and w in e4m3, a float32 scale per row of each (fp8_matmul's format)
+        W_FP8: tl.constexpr = False,  # w in e4m3 with a float32 scale per row (fp8_skinny_reference)
         PDL: tl.constexpr = False,
     ):  # fmt: skip
         # y[M, N] = x[M, K] @ w[N, K]^T: program p owns columns p * COLS .. + COLS (COLS <=
@@ -405,19 +408,14 @@ if triton is not None:
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # int64: the LM head passes 2^31 elements
         wait_for_previous(PDL)
         dt = x_ptr.dtype.element_ty
-        if W_FP8:  # x holds e4m3: the activations' dtype is y's
-            dt = y_ptr.dtype.element_ty
         acc, acc_up = stream_weights(
             x_ptr, w_rows, w_rows + N * K, stride_x, rm, tl.arange(0, BLOCK_K), m_ok, n_ok, K, ACT != 0,
             BLOCK_M, BLOCK_N, BLOCK_K, W_FP8,
         )  # fmt: skip
-        if W_FP8:  # the sums of quantised products times both scales
-            x_scale = tl.load(x_scale_ptr + rm, mask=rm < M, other=1.0)
-            acc = acc * x_scale[:, None] * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        if W_FP8:  # the sums of x times the e4m3 values, times each row's scale
+            acc = acc * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
             if ACT != 0:
-                acc_up = (
-                    acc_up * x_scale[:, None] * tl.load(w_scale_ptr + N + rn, mask=n_ok, other=0.0)[None, :]
-                )
+                acc_up = acc_up * tl.load(w_scale_ptr + N + rn, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if ACT != 0:
@@ -428,7 +426,7 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_kernel(
-        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, k_cache, v_cache, slots_ptr,
+        x_ptr, w_ptr, w_scale_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, k_cache, v_cache, slots_ptr,
         k_scale_ptr, v_scale_ptr, M, stride_x, stride_cos, stride_sin, stride_kc, stride_kc_head, stride_vc,
         stride_vc_head, K: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, W_FP8: tl.constexpr,
         NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
@@ -451,10 +449,9 @@ if triton is not None:
             x_ptr, w_rows, w_rows + HALF * K, stride_x, rm, tl.arange(0, BLOCK_K), m_ok, rj < HALF, K, True,
             BLOCK_M, BLOCK_N, BLOCK_K, W_FP8,
         )  # fmt: skip
-        if W_FP8:  # the sums of quantised products times both scales
-            x_scale = tl.load(x_scale_ptr + rm, mask=rm < M, other=1.0)
-            acc = acc * x_scale[:, None] * tl.load(w_scale_ptr + rows)[None, :]
-            acc_up = acc_up * x_scale[:, None] * tl.load(w_scale_ptr + rows + HALF)[None, :]
+        if W_FP8:  # the sums of x times the e4m3 values, times each row's scale
+            acc = acc * tl.load(w_scale_ptr + rows)[None, :]
+            acc_up = acc_up * tl.load(w_scale_ptr + rows + HALF)[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
             acc_up += tl.load(b_ptr + rows + HALF).to(tl.float32)[None, :]

@@ -18,9 +18,9 @@ written and read back and no separate activation kernel runs.
 rotation mixes), so no RoPE + store kernel runs between it and the paged attention kernel.
 
 FP8 weights (--quantization fp8, row-wise FP8 checkpoints: e4m3 with a float32 scale per
-row) are read weight-only here: each e4m3 value converted exactly to x's dtype in registers,
-the products with x's own values summed in float32, then each column times its row's scale
-(and the bias). At a few rows the matmul is a read of W, so quantising x to e4m3 as the
+row) are read weight-only here: each e4m3 value converted exactly in registers, the exact
+products with x's own values summed in float32 (stream_weights says how, in float16), then
+each column times its row's scale (and the bias). At a few rows the matmul is a read of W, so quantising x to e4m3 as the
 tensor-core path does (fp8_matmul) would buy nothing and cost a kernel before each matmul
 (~12 us a layer on an H100, 0.38 ms a Llama-3-8B step) and the accuracy that per-token
 activation scales lose (bench/fp8_accuracy.py: +0.11% perplexity for the weights alone,
@@ -342,22 +342,46 @@ if triton is not None:
         (w_rows, and up_rows when GATED: pointers [BLOCK_N, 1]), read once over all of K
         (K % BLOCK_K == 0) against x's rows padded to BLOCK_M (masked; x stays in L2).
 
-        W_FP8: w holds e4m3 values (the caller multiplies by their rows' scales), converted
-        exactly to x's dtype in registers: weight-only FP8, x read as it is."""
+        W_FP8: w holds e4m3 values (the caller multiplies by their rows' scales), read
+        weight-only in float16: each e4m3 value converts to float16 exactly in one instruction
+        (to bfloat16 it takes several, which made the step 2x slower, BENCHMARKS.md). x's tile
+        goes to float16 too, each row first times a power of two that puts its largest value in
+        [2^14, 2^15): exact for bfloat16 values (8 significant bits, float16 has 11) down to
+        2^-28 of that largest one, and no float16 overflow whatever x's range. The tile's
+        float32 dot (exact products) is then scaled back by the same power of two, exactly.
+        (x of float32 values, the CPU interpreter's, is rounded to float16's 11 bits.)"""
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok, other=0.0)
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
-            if W_FP8:  # e4m3 -> x's dtype: exact (3 mantissa bits, a small exponent range)
-                w = w.to(x.dtype)
-            acc += tl.dot(x, tl.trans(w))
             if GATED:
                 w_up = tl.load(up_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
-                if W_FP8:
-                    w_up = w_up.to(x.dtype)
-                acc_up += tl.dot(x, tl.trans(w_up))
+            if W_FP8:
+                x, back = _float16_rows(x)
+                part = tl.dot(x, tl.trans(w.to(tl.float16)))
+                acc += part * back[:, None]
+                if GATED:
+                    part_up = tl.dot(x, tl.trans(w_up.to(tl.float16)))
+                    acc_up += part_up * back[:, None]
+            else:
+                acc += tl.dot(x, tl.trans(w))
+                if GATED:
+                    acc_up += tl.dot(x, tl.trans(w_up))
         return acc, acc_up
+
+    @triton.jit
+    def _float16_rows(x):
+        """(x [BLOCK_M, BLOCK_K] in float16, back [BLOCK_M] float32): each row times 2^(14 - e),
+        e the exponent of its largest |value| (clamped to [-60, 127]: a row of zeros or of
+        tiny values stays finite), and back = 2^(e - 14), both built from their bits."""
+        xf = x.to(tl.float32)
+        top = tl.max(tl.abs(xf), axis=1)
+        biased = (top.to(tl.int32, bitcast=True) >> 23) & 0xFF  # e + 127
+        biased = tl.maximum(biased, 127 - 60)
+        up = ((268 - biased) << 23).to(tl.float32, bitcast=True)  # 2^(14 - e): biased 141 - e
+        back = ((biased - 14) << 23).to(tl.float32, bitcast=True)  # 2^(e - 14): biased e + 113
+        return (xf * up[:, None]).to(tl.float16), back
 
     @triton.jit
     def _quantize_rows_kernel(

@@ -30,6 +30,7 @@ from ringserve.kernels.elementwise import (
     unit_offset_rms_norm,
 )
 from ringserve.kernels.skinny_matmul import (
+    QuantizedRows,
     fp8_grouped_mm,
     fp8_grouped_mm_usable,
     fp8_matmul,
@@ -313,7 +314,13 @@ class MLP(nn.Module):
     def forward(self, x, ctx: ForwardContext):
         # act(gate) * up [T, I] straight out of the gate/up matmul
         gate_up = self.gate_up_proj
-        act_up = gated_linear(x, gate_up.weight, self.hidden_act, weight_scale=gate_up.weight_scale)
+        act_up = gated_linear(
+            x,
+            gate_up.weight,
+            self.hidden_act,
+            weight_scale=gate_up.weight_scale,
+            quantize_output=self.down_proj.weight_scale is not None,
+        )
         return ctx.all_reduce(self.down_proj(act_up))
 
 
@@ -375,7 +382,7 @@ class Experts(nn.Module):
         """
         if self.on_device(x.device, x.dtype):
             if self.gate_proj_scale is not None:
-                xq = (*quantize_rows(x), x.dtype)  # once for gate and up
+                xq = QuantizedRows(*quantize_rows(x), x.dtype)  # once for gate and up
                 gate = fp8_grouped_mm(xq, self.gate_proj.transpose(1, 2), self.gate_proj_scale, ends)
                 up = fp8_grouped_mm(xq, self.up_proj.transpose(1, 2), self.up_proj_scale, ends)
                 act = F.silu(gate) * up

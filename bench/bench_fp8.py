@@ -78,6 +78,15 @@ def check_kernels(device) -> dict:
     same("qkv_rope_store k", caches[0][slots[:4]], quantize_kv(fused[1], scales[0]))
     same("qkv_rope_store v", caches[1][slots[:4]], quantize_kv(fused[2], scales[1]))
 
+    # A prefill's SiLU-mul with the down projection's row quantisation in one pass, against
+    # the two kernels it replaces (silu_mul, then the row quantisation): bit-equal values
+    gate_up = (torch.randn(300, 2 * 14336, device=device) * 2).to(dt)
+    fused = S.gated_quantized(gate_up, "silu")
+    two, two_scale = S.quantize_rows(K.silu_mul(gate_up))
+    same("silu_mul + row quantisation", fused.values, two)
+    out["silu_mul_quantize_scales_equal"] = bool(torch.equal(fused.scale, two_scale))
+    print(f"  silu_mul + row quantisation: scales equal {out['silu_mul_quantize_scales_equal']}")
+
     # FP8 weights: the skinny kernel (weight-only) against the dequantised weight in float32,
     # and against scaled_mm's w8a8 (x quantised per row: what the activations' scales lose)
     for n, k in ((4096, 4096), (28672, 4096), (4096, 14336)):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import os
 import pstats
 import time
@@ -30,15 +31,30 @@ from ringserve.engine.engine import LLMEngine
 from ringserve.sampling_params import SamplingParams
 
 
+def triton_root() -> str:
+    return os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+
+
 def triton_kernels() -> set[str]:
     """The compiled kernels in the Triton cache: (cache entry, kernel name) strings."""
-    root = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+    root = triton_root()
     found = set()
     for entry in os.listdir(root) if os.path.isdir(root) else []:
         for name in os.listdir(os.path.join(root, entry)):
             if name.endswith(".json") and not name.startswith("__grp__"):
-                found.add(f"{entry[:8]}/{name[:-5]}")
+                found.add(f"{entry}/{name[:-5]}")
     return found
+
+
+def kernel_variant(key: str) -> str:
+    """What a compiled kernel was specialised on (its cache entry's metadata, abridged)."""
+    try:
+        with open(os.path.join(triton_root(), key + ".json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return key
+    keep = {k: meta[k] for k in ("name", "constants", "num_warps", "num_stages", "launch_pdl") if k in meta}
+    return json.dumps(keep)[:600]
 
 
 def burst(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, profile: bool) -> dict:
@@ -72,7 +88,7 @@ def burst(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, profile:
         "last_ttft_ms": ttfts[-1],
         "total_ms": (end - start) * 1000,
         "step_ms": steps,
-        "new_triton_kernels": sorted(triton_kernels() - kernels),
+        "new_triton_kernels": [kernel_variant(k) for k in sorted(triton_kernels() - kernels)],
         "device_allocations": torch.cuda.memory_stats().get("num_device_alloc", 0) - allocs,
     }
     if profiler:

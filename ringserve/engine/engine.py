@@ -40,6 +40,7 @@ from ringserve.engine.logits_adjust import LogitsAdjuster, bad_words_token_ids
 from ringserve.engine.logprobs import DeviceLogprobs, token_logprobs
 from ringserve.engine.output_processor import OutputProcessor
 from ringserve.engine.sampler import sample_on_device
+from ringserve.engine.sampler import warm_up as warm_up_sampler
 from ringserve.engine.scheduler import ScheduledBatch, Scheduler
 from ringserve.engine.sequence import PENDING_TOKEN, ContextLimit, Sequence
 from ringserve.engine.speculative import NgramDrafter, SpecDecodeStats, kept_run
@@ -181,6 +182,7 @@ class LLMEngine:
                 self.tokenizer, config.vocab_size, self.max_model_len
             )
         self.executor = start_executor(spec, self.device, self.show_progress, weights)
+        warm_up_sampler(self.device, config.vocab_size)  # its kernels built before any request
         limit_host_threads(self.device.type)
         # the sampling seeds of unseeded requests, from --seed when given (reproducible runs)
         self.seed_rng = torch.Generator().manual_seed(options.seed) if options.seed is not None else None

@@ -398,44 +398,53 @@ if triton is not None:
 
         W_FP8: w holds e4m3 values (the caller multiplies by their rows' scales), read
         weight-only in float16: each e4m3 value converts to float16 exactly in one instruction
-        (to bfloat16 it takes several, which made the step 2x slower, BENCHMARKS.md). x's tile
-        goes to float16 too, each row first times a power of two that puts its largest value in
-        [2^14, 2^15): exact for bfloat16 values (8 significant bits, float16 has 11) down to
-        2^-28 of that largest one, and no float16 overflow whatever x's range. The tile's
-        float32 dot (exact products) is then scaled back by the same power of two, exactly.
-        (x of float32 values, the CPU interpreter's, is rounded to float16's 11 bits.)"""
+        (to bfloat16 it takes several, which made the step 2x slower, BENCHMARKS.md). x goes to
+        float16 too, each row first times a power of two that puts its largest value in
+        [2^14, 2^15) (a first pass over the program's x rows, from L2, finds it): exact for
+        bfloat16 values (8 significant bits, float16 has 11) down to 2^-28 of that largest
+        one, and no float16 overflow whatever x's range. The float32 sums (exact products)
+        are scaled back by the same power of two at the end, exactly. (x of float32 values,
+        the CPU interpreter's, is rounded to float16's 11 bits.)"""
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.full((BLOCK_M,), 1.0, tl.float32)
+        back = tl.full((BLOCK_M,), 1.0, tl.float32)
+        if W_FP8:
+            up, back = _row_powers(x_ptr, stride_x, rm, rk, m_ok, K, BLOCK_M, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok, other=0.0)
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
+            if W_FP8:
+                x = (x.to(tl.float32) * up[:, None]).to(tl.float16)
+                w = w.to(tl.float16)
+            acc += tl.dot(x, tl.trans(w))
             if GATED:
                 w_up = tl.load(up_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
-            if W_FP8:
-                x, back = _float16_rows(x)
-                part = tl.dot(x, tl.trans(w.to(tl.float16)))
-                acc += part * back[:, None]
-                if GATED:
-                    part_up = tl.dot(x, tl.trans(w_up.to(tl.float16)))
-                    acc_up += part_up * back[:, None]
-            else:
-                acc += tl.dot(x, tl.trans(w))
-                if GATED:
-                    acc_up += tl.dot(x, tl.trans(w_up))
+                if W_FP8:
+                    w_up = w_up.to(tl.float16)
+                acc_up += tl.dot(x, tl.trans(w_up))
+        if W_FP8:
+            acc, acc_up = acc * back[:, None], acc_up * back[:, None]
         return acc, acc_up
 
     @triton.jit
-    def _float16_rows(x):
-        """(x [BLOCK_M, BLOCK_K] in float16, back [BLOCK_M] float32): each row times 2^(14 - e),
-        e the exponent of its largest |value| (clamped to [-60, 127]: a row of zeros or of
-        tiny values stays finite), and back = 2^(e - 14), both built from their bits."""
-        xf = x.to(tl.float32)
-        top = tl.max(tl.abs(xf), axis=1)
+    def _row_powers(
+        x_ptr, stride_x, rm, rk, m_ok, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
+    ):
+        """(up, back) [BLOCK_M] float32 for x's rows: up = 2^(14 - e), e the exponent of the
+        row's largest |value| (clamped to [-60, 127]: a row of zeros or of tiny values stays
+        finite), back = 2^(e - 14); both built from their bits. One pass over the rows, the
+        maxima kept per lane and reduced once."""
+        peak = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok, other=0.0)
+            peak = tl.maximum(peak, tl.abs(x.to(tl.float32)))
+        top = tl.max(peak, axis=1)
         biased = (top.to(tl.int32, bitcast=True) >> 23) & 0xFF  # e + 127
         biased = tl.maximum(biased, 127 - 60)
         up = ((268 - biased) << 23).to(tl.float32, bitcast=True)  # 2^(14 - e): biased 141 - e
         back = ((biased - 14) << 23).to(tl.float32, bitcast=True)  # 2^(e - 14): biased e + 113
-        return (xf * up[:, None]).to(tl.float16), back
+        return up, back
 
     @triton.jit
     def _quantize_rows_kernel(

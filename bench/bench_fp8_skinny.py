@@ -5,9 +5,8 @@ does). Here each of Llama-3-8B's decode matmuls (q/k/v, o, gate/up with SiLU-mul
 over 32 layers' distinct FP8 weights (no layer's weight left in L2 for the next replay),
 captured in one CUDA graph, for every tile in a grid, at batch 1 and 16; printed per shape:
 the plan in use, the best tile, their microseconds a layer and TB/s of weight read, and the
-bf16 weight's time with its plan. The FP8 weights are read weight-only (skinny_matmul's
-module docstring); x's row quantisation, the small kernel that ran before each FP8 matmul
-until the kernel read its weights weight-only, is timed alone too.
+bf16 weight's time with its plan. x's row quantisation (its own small kernel, once a matmul)
+is timed alone too.
 
   PYTHONPATH=. python bench/bench_fp8_skinny.py [--batch 1 16] [--out $OUT]
 """
@@ -59,11 +58,11 @@ def graph_us(fn, reps: int = 20) -> float:
     return best
 
 
-def launch(x, w, w_scale, y, gated, tile):
+def launch(x, x_scale, w, w_scale, y, gated, tile):
     block_n, block_k, stages, cols, warps = tile
     m, n = y.shape
     _skinny_kernel[(triton.cdiv(n, cols),)](
-        x, w, w_scale if w_scale is not None else y, y, y,
+        x, x_scale if x_scale is not None else y, w, w_scale if w_scale is not None else y, y, y,
         m, n, x.stride(0), K=w.shape[1], HAS_BIAS=False, ACT=_ACTIVATION_CODE["silu"] if gated else 0,
         BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, COLS=cols, W_FP8=w_scale is not None,
         PDL=False, num_warps=warps, num_stages=stages,
@@ -96,6 +95,7 @@ def sweep_shape(name: str, rows: int, k: int, gated: bool, batches, device, sms:
 
     def one_batch(m: int):
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        xq, xs = quantize_rows(x, pdl=False)
         y = torch.empty(m, n_out, device=device, dtype=torch.bfloat16)
         plan = skinny_plan(x, fp8[0][0], gated=gated)
         in_use = (*plan[:3], plan[3], 4)
@@ -103,11 +103,11 @@ def sweep_shape(name: str, rows: int, k: int, gated: bool, batches, device, sms:
 
         def run_bf16():
             for w in bf16:
-                launch(x, w, None, y, gated, bf16_plan)
+                launch(x, None, w, None, y, gated, bf16_plan)
 
         def run_fp8(tile):
             for w, s in fp8:
-                launch(x, w, s, y, gated, tile)
+                launch(xq, xs, w, s, y, gated, tile)
 
         def run_quantize():
             for _ in range(LAYERS):

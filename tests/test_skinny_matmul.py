@@ -83,37 +83,24 @@ for m, nq, nkv, d, k, plan in ((1, 4, 2, 64, 128, (64, 64, 3)), (5, 2, 2, 64, 64
         a, e = a.float(), e.float()
         carry_lost = (a == e / 2) & (torch.frexp(e).mantissa.abs() == 0.5)
         assert ((a == e) | carry_lost).all() and (a == e).float().mean() > 0.95 and e.abs().max() > 100
-# FP8 weights (--quantization fp8): e4m3 rows with a float32 scale each, read weight-only,
-# against the dequantised weight in float32 (exact products, float32 sums in another order);
-# plain, with a bias, gated, and q/k/v with RoPE and the store (rows 1, 5 and 16). The
-# weights' rows span four decades of scale, as real rows do. x holds bfloat16 values (what the
-# kernel reads exactly through float16) whose rows span 2^-40 to 2^40: each row's power-of-two
-# scaling keeps them exact and finite where float16's range (6e-8 to 65504) would not.
+# FP8 weights (--quantization fp8): e4m3 rows with a float32 scale each, x quantised per row
+# in the kernel, against fp8_matmul's torch form (exact products, float32 sums in another
+# order); plain, with a bias, gated, and q/k/v with RoPE and the store (rows 1, 5 and 16).
+# x's rows are e4m3 values times a power of two, each with a 448 in it: their quantisation is
+# exact, so the interpreter's float32 -> e4m3 (which drops a rounding's carry into a power of
+# two, tests/test_kernels.py) does not enter; a GPU's rounding is checked by bench/gpu_checks.py.
 from ringserve.kernels.kv_quant import FP8_DTYPE
 
-def bf16_rows(m, k):
-    x = torch.randn(m, k) * (2.0 ** torch.linspace(-40, 40, m)[:, None] if m > 1 else 1.0)
-    if m > 1:
-        x[1] = 0.0
-    return x.bfloat16().float()
+def exact_rows(m, k, zero_row=False):
+    q = (torch.randn(m, k) * 60).clamp(-448, 448).to(FP8_DTYPE).float()
+    q[:, 3] = 448.0
+    x = q * 2.0 ** torch.randint(-12, 0, (m, 1)).float()
+    if zero_row:
+        x[0] = 0.0
+    return x
 
-def rows_close(got, want, rtol=1e-5):
-    # each row (last dim) within rtol of its own largest value: rows 2^80 apart in scale
-    tol = rtol * want.abs().amax(-1, keepdim=True)
-    assert ((got - want).abs() <= tol).all(), ((got - want).abs() - tol).max()
-
-def weight_only(x, w8, w_scale, bias=None):
-    y = x.float() @ w8.float().t() * w_scale[None, :]
-    return (y if bias is None else y + bias).to(x.dtype)
-
-# the one-pass row quantisation of a prefill's activations (K not a power of two); its rows
-# are e4m3 values times a power of two, each with a 448 in it: their quantisation is exact, so
-# the interpreter's float32 -> e4m3 (which drops a rounding's carry into a power of two,
-# tests/test_kernels.py) does not enter; a GPU's rounding is checked by bench/gpu_checks.py.
-q = (torch.randn(9, 300) * 60).clamp(-448, 448).to(FP8_DTYPE).float()
-q[:, 3] = 448.0
-x = q * 2.0 ** torch.randint(-12, 0, (9, 1)).float()
-x[0] = 0.0
+# the one-pass row quantisation of a prefill's activations (K not a power of two)
+x = exact_rows(9, 300, zero_row=True)
 got, got_scale = S._quantize_rows_triton(x)
 want, want_scale = S.quantize_rows(x)
 assert torch.equal(got.float(), want.float()) and torch.equal(got_scale, want_scale) and want_scale[0] == 1
@@ -132,17 +119,17 @@ carry_lost = (g == w / 2) & (torch.frexp(w).mantissa.abs() == 0.5)
 subnormal_step = (w.abs() < 2**-6) & ((g - w).abs() <= 2**-9)
 assert ((g == w) | carry_lost | subnormal_step).all() and (g == w).float().mean() > 0.95
 for m, n, k, plan in ((1, 64, 256, (32, 128, 3)), (5, 100, 512, (64, 256, 4)), (16, 40, 128, (32, 64, 3))):
-    x = bf16_rows(m, k)
+    x = exact_rows(m, k, zero_row=m > 1)
     w8, w_scale = S.quantize_rows(torch.randn(n, k) * torch.logspace(-3, 1, n)[:, None])
     w_scale = w_scale[:, 0]
     b = torch.randn(n)
     for bias in (None, b):
         got = S.skinny_linear(x, w8, bias, plan, weight_scale=w_scale)
-        rows_close(got, weight_only(x, w8, w_scale, bias))
+        torch.testing.assert_close(got, S.fp8_matmul(x, w8, w_scale, bias), rtol=1e-5, atol=1e-5)
     gated = S.skinny_linear(x, w8, None, (plan[0] // 2, *plan[1:]), "silu", weight_scale=w_scale)
-    rows_close(gated, S.silu_mul(weight_only(x, w8, w_scale)), rtol=1e-4)
+    torch.testing.assert_close(gated, S.silu_mul(S.fp8_matmul(x, w8, w_scale)), rtol=1e-4, atol=1e-5)
 for m, nq, nkv, d, k, plan in ((1, 4, 2, 64, 128, (64, 64, 3)), (5, 2, 2, 64, 64, (32, 64, 3))):
-    x = bf16_rows(m, k)
+    x = exact_rows(m, k) / 100
     w8, w_scale = S.quantize_rows(torch.randn((nq + 2 * nkv) * d, k) / k**0.5)
     w_scale = w_scale[:, 0]
     angle = 100 * torch.rand(m, 1, d // 2)
@@ -151,10 +138,10 @@ for m, nq, nkv, d, k, plan in ((1, 4, 2, 64, 128, (64, 64, 3)), (5, 2, 2, 64, 64
     caches = [torch.zeros(40, nkv, d) for _ in range(2)]
     want_caches = [c.clone() for c in caches]
     got = S.skinny_qkv_rope(x, w8, None, cos, sin, *caches, slots, plan, weight_scale=w_scale)
-    q, kk, v = (t.view(m, -1, d) for t in weight_only(x, w8, w_scale).split([nq * d, nkv * d, nkv * d], -1))
+    q, kk, v = (t.view(m, -1, d) for t in S.fp8_matmul(x, w8, w_scale).split([nq * d, nkv * d, nkv * d], -1))
     q, kk = rotary_store_kv(q, kk, v, cos, sin, *want_caches, slots)
     for a, e in zip((*got, *caches), (q, kk, v, *want_caches)):
-        rows_close(a, e)
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
 # out: float32 logits from float16 x and w (the LM head into a decode graph's static logits)
 # hold the values rounded to float16, as F.linear(...).float() does: each one a float16
 # value, and F.linear's own or the float16 next to it (the float32 sums differ in order).

@@ -17,15 +17,6 @@ written and read back and no separate activation kernel runs.
 (each program reads the weight rows of column pairs (i, i + D/2) of one head, the pairs the
 rotation mixes), so no RoPE + store kernel runs between it and the paged attention kernel.
 
-FP8 weights (--quantization fp8, row-wise FP8 checkpoints: e4m3 with a float32 scale per
-row) are read weight-only here: each e4m3 value converted exactly in registers, the exact
-products with x's own values summed in float32 (stream_weights says how, in float16), then
-each column times its row's scale (and the bias). At a few rows the matmul is a read of W, so quantising x to e4m3 as the
-tensor-core path does (fp8_matmul) would buy nothing and cost a kernel before each matmul
-(~12 us a layer on an H100, 0.38 ms a Llama-3-8B step) and the accuracy that per-token
-activation scales lose (bench/fp8_accuracy.py: +0.11% perplexity for the weights alone,
-+2.26% with the activations quantised too, on SmolLM2-135M).
-
 Everywhere else (the CPU, float32, more rows, shards too narrow to fill the GPU, K that no
 block divides) `linear` is F.linear, `gated_linear` F.linear and the activation kernel, and
 `qkv_rope_store` returns None (the caller runs F.linear and kernels.rotary_store_kv).
@@ -82,9 +73,8 @@ def linear(
     (pdl: launched with programmatic dependent launch where the GPU has it, ringserve.kernels.pdl).
     out: a contiguous [M, N] tensor (float32 for the LM head's logits) to write the result
     into, rounded to x's dtype first, as F.linear(...).to(out.dtype) would be.
-    weight_scale: weight is FP8 with this float32 scale per row [N]: fp8_matmul's arithmetic,
-    or the skinny kernel's weight-only form (the module docstring). x may then come
-    quantised (QuantizedRows), for fp8_matmul."""
+    weight_scale: weight is FP8 with this float32 scale per row [N] (fp8_matmul); x may then
+    come quantised already (QuantizedRows)."""
     if isinstance(x, QuantizedRows):
         y = fp8_matmul(x, weight, weight_scale, bias)
         return y if out is None else out.copy_(y)
@@ -111,7 +101,7 @@ def gated_linear(
     plan = skinny_plan(x, weight, gated=True)
     if plan is None:
         y = F.linear(x, weight) if weight_scale is None else fp8_matmul(x, weight, weight_scale)
-        # (decode rows on a GPU: the next matmul is skinny, reading them weight-only)
+        # (decode rows on a GPU: the skinny down projection quantises its input itself)
         if quantize_output and not (x.is_cuda and x.shape[0] <= MAX_ROWS):
             return gated_quantized(y, activation)
         return GATED_ACTIVATIONS[activation](y)
@@ -185,10 +175,13 @@ def skinny_qkv_rope(
     v = torch.empty(tokens, num_kv, head_dim, dtype=x.dtype, device=x.device)
     cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
     pairs, block_k, stages = plan[0] // 2, plan[1], plan[2]
+    x_scale = cos  # read only if W_FP8
+    if weight_scale is not None:  # x's rows in e4m3 once, before the matmul's programs read them
+        x, x_scale = quantize_rows(x, pdl=pdl)
     launch = launch_options(x, pdl)
     k_scale, v_scale = kv_scales if kv_scales is not None else (cos, cos)  # read only if QUANT
     _qkv_rope_kernel[((num_q + 2 * num_kv) * (half // pairs),)](
-        x, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else x, cos, sin,
+        x, x_scale, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else x, cos, sin,
         q, k, v, k_cache, v_cache, slots, k_scale, v_scale, tokens, x.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), K=x.shape[1],
         HAS_BIAS=bias is not None, QUANT=kv_scales is not None, W_FP8=weight_scale is not None,
@@ -265,8 +258,8 @@ def fp8_matmul(
     fp8): weight [N, K] e4m3 with a float32 scale per row [N]; x [M, K] quantised to e4m3 per
     row (per token, dynamic); the products of the e4m3 values summed in float32 and scaled by
     both. torch's scaled_mm on a GPU with FP8 tensor cores; the same arithmetic in float32
-    elsewhere. (The skinny kernel, at decode on a GPU, reads the weights weight-only.) x may
-    come quantised already (QuantizedRows)."""
+    elsewhere (the skinny kernel's too, at decode). x may come quantised already
+    (QuantizedRows)."""
     xq, x_scale, dtype = x if isinstance(x, QuantizedRows) else (*quantize_rows(x), x.dtype)
     n, k = weight.shape
     if xq.is_cuda and torch.cuda.get_device_capability(xq.device) >= (8, 9) and n % 16 == 0 and k % 16 == 0:
@@ -365,7 +358,7 @@ def skinny_linear(
     """x @ weight^T + bias; with an activation, act(gate) * up of the two halves of weight.
     plan: skinny_plan's, or (BLOCK_N, BLOCK_K, num_stages) writing BLOCK_N columns a program.
     out: [M, N] contiguous, of any float dtype, written instead of a new tensor of x's.
-    weight_scale: weight is FP8 (fp8_matmul's format), read weight-only (the module docstring)."""
+    weight_scale: weight is FP8 (fp8_matmul's format); x's rows are quantised first, once."""
     m, k = x.shape
     n = weight.shape[0] if activation is None else weight.shape[0] // 2
     block_n, block_k, stages = plan[:3]
@@ -373,9 +366,12 @@ def skinny_linear(
     if out is not None and (out.shape != (m, n) or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous [{m}, {n}] tensor, not {tuple(out.shape)}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    x_scale = y  # read only if W_FP8
+    if weight_scale is not None:  # x's rows in e4m3 once, before the matmul's programs read them
+        x, x_scale = quantize_rows(x, pdl=pdl)
     launch = launch_options(x, pdl)
     _skinny_kernel[(triton.cdiv(n, cols),)](
-        x, weight, weight_scale if weight_scale is not None else y, bias if bias is not None else y, y,
+        x, x_scale, weight, weight_scale if weight_scale is not None else y, bias if bias is not None else y, y,
         m, n, x.stride(0), K=k, HAS_BIAS=bias is not None, ACT=0 if activation is None else _ACTIVATION_CODE[activation],
         BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, COLS=cols, W_FP8=weight_scale is not None,
         PDL=bool(launch), num_warps=4,
@@ -396,55 +392,23 @@ if triton is not None:
         (w_rows, and up_rows when GATED: pointers [BLOCK_N, 1]), read once over all of K
         (K % BLOCK_K == 0) against x's rows padded to BLOCK_M (masked; x stays in L2).
 
-        W_FP8: w holds e4m3 values (the caller multiplies by their rows' scales), read
-        weight-only in float16: each e4m3 value converts to float16 exactly in one instruction
-        (to bfloat16 it takes several, which made the step 2x slower, BENCHMARKS.md). x goes to
-        float16 too, each row first times a power of two that puts its largest value in
-        [2^14, 2^15) (a first pass over the program's x rows, from L2, finds it): exact for
-        bfloat16 values (8 significant bits, float16 has 11) down to 2^-28 of that largest
-        one, and no float16 overflow whatever x's range. The float32 sums (exact products)
-        are scaled back by the same power of two at the end, exactly. (x of float32 values,
-        the CPU interpreter's, is rounded to float16's 11 bits.)"""
+        W_FP8: x and w hold e4m3 values (quantize_rows' and fp8_matmul's formats: the caller
+        multiplies by both scales), converted to float16 exactly, so the products are exact
+        and their sums float32."""
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        up = tl.full((BLOCK_M,), 1.0, tl.float32)
-        back = tl.full((BLOCK_M,), 1.0, tl.float32)
-        if W_FP8:
-            up, back = _row_powers(x_ptr, stride_x, rm, rk, m_ok, K, BLOCK_M, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok, other=0.0)
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
-            if W_FP8:
-                x = (x.to(tl.float32) * up[:, None]).to(tl.float16)
-                w = w.to(tl.float16)
+            if W_FP8:  # to float16, exact for e4m3 and one conversion instruction (bfloat16 takes more)
+                x, w = x.to(tl.float16), w.to(tl.float16)
             acc += tl.dot(x, tl.trans(w))
             if GATED:
                 w_up = tl.load(up_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
                 if W_FP8:
                     w_up = w_up.to(tl.float16)
                 acc_up += tl.dot(x, tl.trans(w_up))
-        if W_FP8:
-            acc, acc_up = acc * back[:, None], acc_up * back[:, None]
         return acc, acc_up
-
-    @triton.jit
-    def _row_powers(
-        x_ptr, stride_x, rm, rk, m_ok, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
-    ):
-        """(up, back) [BLOCK_M] float32 for x's rows: up = 2^(14 - e), e the exponent of the
-        row's largest |value| (clamped to [-60, 127]: a row of zeros or of tiny values stays
-        finite), back = 2^(e - 14); both built from their bits. One pass over the rows, the
-        maxima kept per lane and reduced once."""
-        peak = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok, other=0.0)
-            peak = tl.maximum(peak, tl.abs(x.to(tl.float32)))
-        top = tl.max(peak, axis=1)
-        biased = (top.to(tl.int32, bitcast=True) >> 23) & 0xFF  # e + 127
-        biased = tl.maximum(biased, 127 - 60)
-        up = ((268 - biased) << 23).to(tl.float32, bitcast=True)  # 2^(14 - e): biased 141 - e
-        back = ((biased - 14) << 23).to(tl.float32, bitcast=True)  # 2^(e - 14): biased e + 113
-        return up, back
 
     @triton.jit
     def _quantize_rows_kernel(
@@ -492,10 +456,10 @@ if triton is not None:
 
     @triton.jit
     def _skinny_kernel(
-        x_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, M, N, stride_x, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, M, N, stride_x, K: tl.constexpr, HAS_BIAS: tl.constexpr,
         ACT: tl.constexpr,  # 0: y = x @ w^T; 1 silu, 2 gelu (tanh): y = act(x @ gate^T) * x @ up^T
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr,
-        W_FP8: tl.constexpr = False,  # w in e4m3 with a float32 scale per row (fp8_skinny_reference)
+        W_FP8: tl.constexpr = False,  # x and w in e4m3, a float32 scale per row of each (fp8_matmul's format)
         PDL: tl.constexpr = False,
     ):  # fmt: skip
         # y[M, N] = x[M, K] @ w[N, K]^T: program p owns columns p * COLS .. + COLS (COLS <=
@@ -512,14 +476,19 @@ if triton is not None:
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # int64: the LM head passes 2^31 elements
         wait_for_previous(PDL)
         dt = x_ptr.dtype.element_ty
+        if W_FP8:  # x holds e4m3: the activations' dtype is y's
+            dt = y_ptr.dtype.element_ty
         acc, acc_up = stream_weights(
             x_ptr, w_rows, w_rows + N * K, stride_x, rm, tl.arange(0, BLOCK_K), m_ok, n_ok, K, ACT != 0,
             BLOCK_M, BLOCK_N, BLOCK_K, W_FP8,
         )  # fmt: skip
-        if W_FP8:  # the sums of x times the e4m3 values, times each row's scale
-            acc = acc * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        if W_FP8:  # the sums of quantised products times both scales
+            x_scale = tl.load(x_scale_ptr + rm, mask=rm < M, other=1.0)
+            acc = acc * x_scale[:, None] * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
             if ACT != 0:
-                acc_up = acc_up * tl.load(w_scale_ptr + N + rn, mask=n_ok, other=0.0)[None, :]
+                acc_up = (
+                    acc_up * x_scale[:, None] * tl.load(w_scale_ptr + N + rn, mask=n_ok, other=0.0)[None, :]
+                )
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if ACT != 0:
@@ -530,7 +499,7 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_kernel(
-        x_ptr, w_ptr, w_scale_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, k_cache, v_cache, slots_ptr,
+        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, k_cache, v_cache, slots_ptr,
         k_scale_ptr, v_scale_ptr, M, stride_x, stride_cos, stride_sin, stride_kc, stride_kc_head, stride_vc,
         stride_vc_head, K: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, W_FP8: tl.constexpr,
         NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
@@ -553,9 +522,10 @@ if triton is not None:
             x_ptr, w_rows, w_rows + HALF * K, stride_x, rm, tl.arange(0, BLOCK_K), m_ok, rj < HALF, K, True,
             BLOCK_M, BLOCK_N, BLOCK_K, W_FP8,
         )  # fmt: skip
-        if W_FP8:  # the sums of x times the e4m3 values, times each row's scale
-            acc = acc * tl.load(w_scale_ptr + rows)[None, :]
-            acc_up = acc_up * tl.load(w_scale_ptr + rows + HALF)[None, :]
+        if W_FP8:  # the sums of quantised products times both scales
+            x_scale = tl.load(x_scale_ptr + rm, mask=rm < M, other=1.0)
+            acc = acc * x_scale[:, None] * tl.load(w_scale_ptr + rows)[None, :]
+            acc_up = acc_up * x_scale[:, None] * tl.load(w_scale_ptr + rows + HALF)[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
             acc_up += tl.load(b_ptr + rows + HALF).to(tl.float32)[None, :]

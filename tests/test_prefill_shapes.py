@@ -318,3 +318,37 @@ def test_a_large_chunk_shrinks_before_it_preempts():
     batch = scheduler.schedule()  # a's 28 need 7 blocks, 4 are free: a takes 8, b its 4
     assert dict(zip((s.request_id for s in batch.seqs), batch.num_tokens)) == {"a": 8, "b": 4}
     assert scheduler.num_preemptions == 0
+
+
+def test_eager_logits_take_the_decode_graphs_skinny_variant(monkeypatch):
+    """A prefill step's few logits rows (eager) and a decode graph's (captured at start-up)
+    must key the skinny LM-head kernel alike, or the first requests of each row count pay a
+    compile (~1 s on a GPU; seen on an H100: a bf16-output variant built during the first
+    16-prompt burst). Triton's binder, on the CPU, gives each launch's specialisation."""
+    from types import SimpleNamespace
+
+    from ringserve.kernels import skinny_matmul as S
+    from ringserve.model.decoder import Linear, Transformer
+
+    binder = _binder(S._skinny_kernel)
+    seen = {"eager": set(), "graph": set()}
+    mode = {}
+
+    class Launch:
+        def __getitem__(self, grid):
+            def record(*args, **kwargs):
+                seen[mode["now"]].add(tuple(str(s) for s in binder(*args, **kwargs)[1]))
+
+            return record
+
+    monkeypatch.setattr(S, "_skinny_kernel", Launch())
+    monkeypatch.setattr(S, "skinny_plan", lambda x, weight, gated=False: (64, 128, 3, 64))
+    lm_head = Linear(256, 1000, bias=False).to(torch.bfloat16)
+    model = SimpleNamespace(lm_head=lm_head, config=SimpleNamespace(final_logit_softcapping=None))
+    for rows in (1, 3, 16):
+        hidden = torch.randn(rows, 256).to(torch.bfloat16)
+        mode["now"] = "eager"
+        Transformer.compute_logits(model, hidden)
+        mode["now"] = "graph"
+        Transformer.compute_logits(model, hidden, out=torch.empty(rows, 1000))
+    assert seen["eager"] == seen["graph"] and len(seen["graph"]) == 3  # M == 1, 16, other

@@ -556,7 +556,14 @@ class Transformer(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, H] -> [N, V_local] float32: this rank's vocabulary rows (all of them on one rank),
         rounded to the model's dtype first as HF's `.float()`; written into out when given
-        (a decode graph's static logits: no copy after the matmul)."""
-        logits = self.lm_head(hidden).float() if out is None else self.lm_head(hidden, out=out)
+        (a decode graph's static logits: no copy after the matmul). Eager steps get a float32
+        out of their own: their few rows then take the skinny kernel's variant the decode
+        graphs built at start-up (Triton specialises on the output's dtype; a bf16 one was
+        compiled on the first requests' prefills, BENCHMARKS.md)."""
+        if out is None:
+            out = torch.empty(
+                hidden.shape[0], self.lm_head.weight.shape[0], dtype=torch.float32, device=hidden.device
+            )
+        logits = self.lm_head(hidden, out=out)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)

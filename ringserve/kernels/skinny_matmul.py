@@ -290,9 +290,9 @@ def fp8_grouped_mm(
 ) -> torch.Tensor:
     """Each group of x's rows times its expert's FP8 weight, fp8_matmul's arithmetic in one
     grouped matmul (fp8_grouped_mm_usable): x [N, K] (rows sorted by group, group e's ending
-    at ends[e], int32 on the device), or QuantizedRows for an x that several weights read; weight [E, K, Nout] e4m3 laid out column-major (stride(1) == 1: each
-    expert's [Nout, K] rows contiguous), weight_scale [E, Nout] float32 -> [N, Nout] in x's
-    dtype."""
+    at ends[e], int32 on the device), or QuantizedRows for an x that several weights read;
+    weight [E, K, Nout] e4m3 laid out column-major (stride(1) == 1: each expert's [Nout, K]
+    rows contiguous), weight_scale [E, Nout] float32 -> [N, Nout] in x's dtype."""
     xq, x_scale, dtype = x if isinstance(x, QuantizedRows) else (*quantize_rows(x), x.dtype)
     return torch._scaled_grouped_mm(xq, weight, x_scale[:, 0], weight_scale, offs=ends, out_dtype=dtype)
 

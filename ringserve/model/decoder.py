@@ -116,6 +116,19 @@ class Linear(nn.Linear):
     def forward(self, x, out=None):
         return linear(x, self.weight, self.bias, out=out, weight_scale=self.weight_scale)
 
+    def float_output(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """forward(x) as float32 (an LM head's logits [N, out_features]), rounded to x's dtype
+        first as HF's `.float()`: into out when given (a decode graph's static logits), else
+        for half-precision x into a float32 tensor of its own, so that eager steps' few rows
+        take the skinny kernel's variant the decode graphs built at start-up (Triton
+        specialises on the output's dtype: a bf16 one was compiled on the first requests'
+        prefills, BENCHMARKS.md). float32 x needs neither (no copy)."""
+        if out is None and x.dtype == torch.float32:
+            return self(x)
+        if out is None:
+            out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        return self(x, out=out)
+
 
 class MergedLinear(Linear):
     """Projections of the same input stacked by output rows, run as one matmul.
@@ -555,15 +568,8 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, H] -> [N, V_local] float32: this rank's vocabulary rows (all of them on one rank),
-        rounded to the model's dtype first as HF's `.float()`; written into out when given
-        (a decode graph's static logits: no copy after the matmul). Eager steps get a float32
-        out of their own: their few rows then take the skinny kernel's variant the decode
-        graphs built at start-up (Triton specialises on the output's dtype; a bf16 one was
-        compiled on the first requests' prefills, BENCHMARKS.md)."""
-        if out is None:
-            out = torch.empty(
-                hidden.shape[0], self.lm_head.weight.shape[0], dtype=torch.float32, device=hidden.device
-            )
-        logits = self.lm_head(hidden, out=out)
+        rounded to the model's dtype first as HF's `.float()` (Linear.float_output); written
+        into out when given (a decode graph's static logits: no copy after the matmul)."""
+        logits = self.lm_head.float_output(hidden, out)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)

@@ -332,8 +332,8 @@ class Eagle3Head(nn.Module):
         return normed
 
     def compute_logits(self, normed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[N, H] -> [N, draft vocabulary] float32 (into out when given)."""
-        return self.lm_head(normed).float() if out is None else self.lm_head(normed, out=out)
+        """[N, H] -> [N, draft vocabulary] float32 (into out when given; Linear.float_output)."""
+        return self.lm_head.float_output(normed, out)
 
     def target_ids(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, draft vocabulary] -> [B] int64 target ids: the likeliest entry, mapped by d2t."""

@@ -107,6 +107,12 @@ def main() -> None:
     args = parser.parse_args()
     data = {"machine": machine_info(), "gpu_state": gpu_state(), "bursts": []}
     print(data["machine"], data["gpu_state"], flush=True)
+    if triton_kernels():
+        print(
+            f"warning: the Triton cache {triton_root()} is not empty: kernels found there load "
+            "instead of compiling, and the compiles this bench looks for do not show",
+            flush=True,
+        )
     folder, weights = random_llama3_8b()
     g = torch.Generator().manual_seed(0)
 

@@ -199,7 +199,10 @@ class Eagle3Drafter(PagedDrafter):
         updates = self._table_updates(seqs, states)
         # The token after each position, and the target's mix at each position (by slot).
         new = [seq.token_slice(s.seen + 1, end + 1) for (_, seq, end), s in zip(ran, states)]
-        slots = torch.cat([self._slots(seq, s.seen, end) for (_, seq, end), s in zip(ran, states)])
+        slots = torch.tensor(
+            [slot for (_, seq, end), s in zip(ran, states) for slot in self._slots(seq, s.seen, end)],
+            dtype=torch.int64,
+        )
         drafting = [bool(seq.draft_token_ids) for seq in seqs]
         step = StepInput([self._row(seq) for seq in seqs], new, [s.seen for s in states], drafting, updates)
         for (_, _, end), state in zip(ran, states):
@@ -256,11 +259,9 @@ class Eagle3Drafter(PagedDrafter):
         finally:
             head.hidden_in, head.hidden_out = buffers
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        """[end - start] int64: the hidden-state cache slots of seq's positions start .. end - 1
-        (its replica's blocks after the other replicas', as in HiddenCapture)."""
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """The hidden-state cache slots of seq's positions start .. end - 1 (its replica's
+        blocks after the other replicas', as in HiddenCapture); host ints, one tensor a step."""
         bs = self.runner.kv_cache.block_size
-        positions = torch.arange(start, end)
-        table = torch.tensor(seq.block_tables[self.table_group][start // bs : (end - 1) // bs + 1])
-        table += seq.replica * self.replica_blocks
-        return table[positions // bs - start // bs] * bs + positions % bs
+        table, offset = seq.block_tables[self.table_group], seq.replica * self.replica_blocks
+        return [(table[p // bs] + offset) * bs + p % bs for p in range(start, end)]

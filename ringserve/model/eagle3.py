@@ -55,7 +55,6 @@ class Eagle3Checkpoint:
     config: ModelConfig  # its decoder layer's; vocabulary: the target's (its embedding)
     draft_vocab_size: int
     aux_layers: tuple[int, ...]  # the target layers whose input hidden states it reads
-    target_hidden_size: int
     norm_before_residual: bool
 
     @classmethod
@@ -93,7 +92,7 @@ class Eagle3Checkpoint:
                 f"EAGLE-3 head {path}: aux layers {list(layers)} do not fit a {n}-layer model"
             )
         draft_vocab = raw.get("draft_vocab_size") or target.vocab_size
-        return cls(path, config, draft_vocab, layers, target_hidden, bool(raw.get("norm_before_residual")))
+        return cls(path, config, draft_vocab, layers, bool(raw.get("norm_before_residual")))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return read_tensors(self.path)
